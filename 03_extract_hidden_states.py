@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""Stage 03: verifier + prepared rows -> hs_<i>.safetensors per row in <data-dir>/hidden_states/rows_A-B."""
+import glob
+import json
+import os
+import shutil
+import time
+
+import torch
+
+from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
+from common.extract import RowWriter, TransformersBackend, extract_transformers, file_is_valid, plan_batches, row_file
+from common.log import Progress, log
+from common.manifest import atomic_write_json, find_stage_dirs, manifest_hash, write_manifest
+from common.verifier import (check_aux_layers, default_aux_layers, load_text_config, load_tokenizer,
+                             resolve_verifier, tokenizer_fingerprint, verifier_fingerprint)
+
+STAGE = "03_extract_hidden_states"
+
+
+def build_parser():
+    p = stage_parser(STAGE, __doc__)
+    add_verifier_flags(p)
+    p.add_argument("--data-dir", default="data", help="data root holding prepared/rows_*")
+    p.add_argument("--rows", help="A-B: extract only prepared/rows_A-B (default: every prepared folder)")
+    p.add_argument("--layers", type=int, nargs="+",
+                   help="aux layer ids, vLLM convention (id k = input of decoder layer k); default 2 N//2 N-3")
+    p.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
+                   help="transformers (default) or vllm (tensor parallel, for models that need it)")
+    p.add_argument("--max-tokens-per-batch", type=int, default=16384,
+                   help="padded tokens per forward pass (rows x longest row); bounds memory")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda, cpu, or auto (transformers device_map over all visible GPUs)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"],
+                   help="compute dtype (default bfloat16 on a GPU, float32 on the CPU); files are always bf16")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm backend: GPUs per model")
+    p.add_argument("--writer-threads", type=int, default=4, help="threads writing files while the model runs")
+    p.add_argument("--force", action="store_true", help="start even if the disk looks too small for the output")
+    return p
+
+
+def extract_config(args, verifier, text_config, aux) -> dict:
+    """What the files depend on; a resumed run must match it."""
+    return {"verifier_hash": verifier_fingerprint(text_config), "aux_layers": aux,
+            "final_layer": text_config.num_hidden_layers, "hidden_size": text_config.hidden_size}
+
+
+def scan_existing(out, rows, n_slots, hidden_size) -> tuple[list[int], int]:
+    """Indices still to do, and how many files found on disk were corrupt (removed, to be redone)."""
+    for stale in glob.glob(os.path.join(out, "*.tmp")):
+        os.remove(stale)
+    todo, corrupt = [], 0
+    for i, row in rows.items():
+        path = row_file(out, i)
+        if os.path.exists(path):
+            if file_is_valid(path, row["input_ids"], n_slots, hidden_size):
+                continue
+            corrupt += 1
+            log.warning(f"{path} is corrupt or from another row; redoing it")
+            os.remove(path)
+        todo.append(i)
+    return todo, corrupt
+
+
+def extract_folder(args, prepared, verifier, text_config, aux, tok_hash):
+    import datasets
+    from common.manifest import read_manifest
+    pm = read_manifest(prepared, "prepare")
+    if pm["inputs"]["tokenizer_hash"] != tok_hash:
+        raise UserError(f"{prepared} was tokenized with another tokenizer than {verifier}'s; "
+                        "rerun 01_prepare_dataset.py with this --verifier-path")
+    out = os.path.join(args.data_dir, "hidden_states", os.path.basename(prepared.rstrip("/")))
+    os.makedirs(out, exist_ok=True)
+    config = extract_config(args, verifier, text_config, aux)
+    cfg_path = os.path.join(out, "extract_config.json")
+    if os.path.exists(cfg_path):
+        with open(cfg_path) as f:
+            old = json.load(f)
+        if old != config:
+            raise UserError(f"{out} holds states of another verifier or other layers ({old['aux_layers']}); "
+                            "delete it or choose another --data-dir")
+    atomic_write_json(cfg_path, config)
+    ds = datasets.load_from_disk(prepared)
+    rows = {i: {"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for i, r in enumerate(ds)}
+    n_slots, hidden = len(aux) + 1, text_config.hidden_size
+    todo, corrupt = scan_existing(out, rows, n_slots, hidden)
+    tokens_todo = sum(len(rows[i]["input_ids"]) for i in todo)
+    bytes_per_token = n_slots * hidden * 2 + 16  # bf16 states + int64 token id and mask
+    need = tokens_todo * bytes_per_token
+    free = shutil.disk_usage(out).free
+    log.info(f"{prepared}: {len(rows) - len(todo)} rows already done, {len(todo)} to do "
+             f"({tokens_todo:,} tokens, about {need / 1e9:.2f} GB; {free / 1e9:.1f} GB free)")
+    if need > free and not args.force:
+        raise UserError(f"the output needs about {need / 1e9:.1f} GB but {out} has {free / 1e9:.1f} GB free; "
+                        "free space, choose another --data-dir, or pass --force")
+    start = time.time()
+    if todo:
+        writer = RowWriter(args.writer_threads)
+        done_tokens = {"n": 0}
+        progress = Progress(len(todo), "rows", extra=lambda: (
+            f"{done_tokens['n'] / max(time.time() - start, 1e-9):,.0f} tok/s {writer.bytes / 1e9:.2f} GB written"))
+        todo_rows = {i: rows[i] for i in todo}
+
+        def on_done(n_rows):
+            progress.update(n_rows)
+
+        if args.backend == "transformers":
+            backend = args._backend
+            batches = plan_batches({i: len(r["input_ids"]) for i, r in todo_rows.items()}, args.max_tokens_per_batch)
+            log.info(f"{len(batches)} batches of at most {args.max_tokens_per_batch} padded tokens")
+            pad_id = args._pad_id
+
+            def count(n_rows, batch_tokens):
+                done_tokens["n"] += batch_tokens
+                on_done(n_rows)
+            for batch in batches:
+                tokens = sum(len(todo_rows[i]["input_ids"]) for i in batch)
+                extract_transformers(backend, [batch], todo_rows, out, writer, pad_id,
+                                     lambda n, t=tokens: count(n, t))
+        else:
+            from common.vllm_extract import extract_vllm
+            extract_vllm(args._backend, todo_rows, out, writer, args.max_tokens_per_batch,
+                         lambda n, t: (done_tokens.__setitem__("n", done_tokens["n"] + t), on_done(n)))
+        writer.close()
+        progress.close()
+    wall = time.time() - start
+    total_bytes = sum(os.path.getsize(row_file(out, i)) for i in rows)
+    total_tokens = sum(len(r["input_ids"]) for r in rows.values())
+    counts = {"rows": len(rows), "extracted": len(todo), "skipped_complete": len(rows) - len(todo),
+              "corrupt_redone": corrupt, "tokens": total_tokens, "tokens_extracted": tokens_todo,
+              "tokens_per_s": round(tokens_todo / wall, 1) if todo else None, "bytes": total_bytes,
+              "bytes_per_token": round(total_bytes / total_tokens, 1)}
+    write_manifest(out, "hidden_states", args, wall_s=wall, counts=counts,
+                   inputs={"verifier_path": verifier, "verifier_hash": config["verifier_hash"],
+                           "tokenizer_hash": tok_hash, "prepared_dir": prepared,
+                           "prepared_manifest_hash": manifest_hash(prepared)},
+                   aux_layers=aux, final_layer=config["final_layer"], hidden_size=hidden,
+                   num_hidden_layers=text_config.num_hidden_layers, backend=args.backend)
+    return counts
+
+
+def run(args):
+    if args.max_tokens_per_batch <= 0:
+        raise UserError(f"--max-tokens-per-batch {args.max_tokens_per_batch}: must be positive")
+    verifier = resolve_verifier(args.verifier_path)
+    text_config = load_text_config(verifier, args.trust_remote_code)
+    n = text_config.num_hidden_layers
+    aux = check_aux_layers(args.layers if args.layers else default_aux_layers(n), n)
+    tokenizer = load_tokenizer(verifier, args.trust_remote_code)
+    tok_hash = tokenizer_fingerprint(tokenizer)
+    folders = find_stage_dirs(os.path.join(args.data_dir, "prepared", f"rows_{args.rows}") if args.rows
+                              else args.data_dir, "prepare", "prepared")
+    log.info(f"verifier {verifier}: {n} layers, hidden {text_config.hidden_size}; aux layers {aux} + final layer {n}")
+    dtype = args.dtype or ("bfloat16" if args.device != "cpu" else "float32")
+    if args.backend == "transformers":
+        args._backend = TransformersBackend(verifier, aux, n, dtype, args.device, args.trust_remote_code)
+        args._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    else:
+        from common.vllm_extract import VllmBackend
+        args._backend = VllmBackend(verifier, aux, n, args.tensor_parallel_size, dtype, args.trust_remote_code,
+                                    max_len=max(read_manifest_max(f) for f in folders))
+    totals = [extract_folder(args, f, verifier, text_config, aux, tok_hash) for f in folders]
+    rows = sum(t["rows"] for t in totals)
+    done = sum(t["extracted"] for t in totals)
+    gb = sum(t["bytes"] for t in totals) / 1e9
+    return f"{rows} rows in {len(folders)} folder(s), {done} extracted now, {gb:.2f} GB on disk"
+
+
+def read_manifest_max(folder):
+    from common.manifest import read_manifest
+    return read_manifest(folder, "prepare")["counts"]["max_row_tokens"]
+
+
+if __name__ == "__main__":
+    run_stage(STAGE, build_parser(), run)

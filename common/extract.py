@@ -1,0 +1,198 @@
+"""Hidden-state extraction (stage 03): token-budget batches, the transformers backend, and the file writer.
+
+A row's file is `hs_<i>.safetensors` (i = its index in the prepared rows_A-B folder, as speculators'
+FileTransfer reads it): `token_ids` [L] int64, `hidden_states` [L, n_aux+1, H] bf16 (aux layers in
+order, then the last decoder layer's output before the final norm), `loss_mask` [L] int64.
+"""
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from common.cli import UserError
+from common.log import log
+
+
+def row_file(folder: str, index: int) -> str:
+    return os.path.join(folder, f"hs_{index}.safetensors")
+
+
+def plan_batches(lengths: dict[int, int], max_tokens: int) -> list[list[int]]:
+    """Rows sorted longest first, grouped so that rows x longest row (the padded size) <= max_tokens."""
+    longest = max(lengths.values())
+    if longest > max_tokens:
+        raise UserError(f"--max-tokens-per-batch {max_tokens} is smaller than the longest row ({longest} tokens); "
+                        f"raise it to at least {longest}")
+    batches, current = [], []
+    for i in sorted(lengths, key=lambda i: (-lengths[i], i)):
+        if current and (len(current) + 1) * lengths[current[0]] > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def file_is_valid(path: str, token_ids: list[int], n_slots: int, hidden_size: int) -> bool:
+    """A complete file of the right row: readable header, expected shapes and dtype, same tokens."""
+    try:
+        with safe_open(path, "pt") as f:
+            if set(f.keys()) != {"token_ids", "hidden_states", "loss_mask"}:
+                return False
+            shape = f.get_slice("hidden_states").get_shape()
+            if shape != [len(token_ids), n_slots, hidden_size] or f.get_slice("hidden_states").get_dtype() != "BF16":
+                return False
+            return f.get_tensor("token_ids").tolist() == token_ids
+    except Exception:  # noqa: BLE001 - any unreadable file is simply redone
+        return False
+
+
+def save_row(path: str, token_ids, states: torch.Tensor, loss_mask) -> int:
+    """Write atomically (temporary name, then rename); return the bytes written."""
+    tmp = f"{path}.tmp"
+    save_file({"token_ids": torch.as_tensor(token_ids, dtype=torch.int64), "hidden_states": states.contiguous(),
+               "loss_mask": torch.as_tensor(loss_mask, dtype=torch.int64)}, tmp)
+    os.replace(tmp, path)
+    return os.path.getsize(path)
+
+
+class RowWriter:
+    """Writes rows on background threads so disk time overlaps compute; at most `max_pending` batches queued."""
+
+    def __init__(self, threads: int = 4, max_pending: int = 3):
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="hs-write")
+        self.slots = threading.Semaphore(max_pending)
+        self.bytes = 0
+        self.lock = threading.Lock()
+        self.errors: list[BaseException] = []
+
+    def submit(self, jobs: list[tuple], ready=None, on_done=None) -> None:
+        """jobs: (path, token_ids, states, loss_mask); `ready` (a CUDA event) is awaited before writing."""
+        self.slots.acquire()
+
+        def write():
+            if ready is not None:
+                ready.synchronize()
+            written = sum(save_row(*job) for job in jobs)
+            with self.lock:
+                self.bytes += written
+            return len(jobs)
+
+        future: Future = self.pool.submit(write)
+
+        def done(f):
+            self.slots.release()
+            if f.exception():
+                self.errors.append(f.exception())
+            elif on_done:
+                on_done(f.result())
+
+        future.add_done_callback(done)
+        if self.errors:
+            raise self.errors[0]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        if self.errors:
+            raise self.errors[0]
+
+
+def decoder_layers(model, num_layers: int) -> torch.nn.ModuleList:
+    """The decoder layer list, wherever the architecture keeps it (model.layers, language_model.model.layers, ...)."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers and name.endswith("layers"):
+            return module
+    raise UserError(f"could not find the {num_layers} decoder layers in {type(model).__name__}")
+
+
+class TransformersBackend:
+    """Plain forward of the base model (no lm_head) with hooks on just the layers saved.
+
+    Aux id k is the input of decoder layer k (a pre-hook); the final slot is the last decoder
+    layer's output, before the final norm (a forward hook).
+    """
+
+    def __init__(self, verifier: str, aux_layers: list[int], num_layers: int, dtype: str, device: str,
+                 trust_remote_code: bool = False):
+        from transformers import AutoModel
+        self.device = torch.device(device)
+        torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
+        kwargs = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+        if device == "auto":  # spread over all visible GPUs: models that do not fit one
+            kwargs["device_map"] = "auto"
+            self.device = torch.device("cuda:0")
+        self.model = AutoModel.from_pretrained(verifier, **kwargs).eval()
+        if device != "auto":
+            self.model.to(self.device)
+        layers = decoder_layers(self.model, num_layers)
+        self.captured: list = [None] * (len(aux_layers) + 1)
+        for slot, k in enumerate(aux_layers):
+            layers[k].register_forward_pre_hook(self._pre_hook(slot), with_kwargs=True)
+        layers[num_layers - 1].register_forward_hook(self._post_hook(len(aux_layers)))
+
+    def _pre_hook(self, slot):
+        def hook(_module, args, kwargs):
+            self.captured[slot] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def _post_hook(self, slot):
+        def hook(_module, _args, output):
+            self.captured[slot] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    @torch.no_grad()
+    def states(self, rows: list[list[int]], pad_id: int) -> torch.Tensor:
+        """[B, T, n_slots, H] bf16 on the model's device for right-padded rows (padding never changes
+        earlier positions under a causal mask; callers slice each row to its length)."""
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1
+        self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+        out = torch.stack([t.to(self.device) for t in self.captured], dim=2).to(torch.bfloat16)
+        self.captured = [None] * len(self.captured)
+        return out
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def extract_transformers(backend: TransformersBackend, batches, rows: dict, out: str, writer: RowWriter,
+                         pad_id: int, on_done) -> None:
+    """Run every batch; on out-of-memory split it in two and retry. Copies to pinned host memory are
+    asynchronous, so the next forward starts while this batch travels to the disk."""
+    on_gpu = backend.device.type == "cuda"
+    queue = list(batches)
+    while queue:
+        batch = queue.pop(0)
+        try:
+            states = backend.states([rows[i]["input_ids"] for i in batch], pad_id)
+        except Exception as e:  # noqa: BLE001
+            if not is_oom(e):
+                raise
+            if len(batch) == 1:
+                raise UserError(f"out of memory on a single row of {len(rows[batch[0]]['input_ids'])} tokens; "
+                                "lower --max-seq-len in stage 01 or use more GPUs (--device auto)")
+            log.warning(f"out of memory on a batch of {len(batch)} rows; splitting it in two and retrying")
+            backend.captured = [None] * len(backend.captured)
+            if on_gpu:
+                torch.cuda.empty_cache()
+            queue[:0] = [batch[: len(batch) // 2], batch[len(batch) // 2:]]
+            continue
+        ready = None
+        if on_gpu:
+            host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
+            host.copy_(states, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            states = host
+        jobs = [(row_file(out, i), rows[i]["input_ids"], states[b, : len(rows[i]["input_ids"])], rows[i]["loss_mask"])
+                for b, i in enumerate(batch)]
+        writer.submit(jobs, ready, on_done)
