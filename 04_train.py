@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Stage 04: hidden states + vocab mapping + verifier -> EAGLE-3 draft checkpoints in <output-dir>/checkpoints.
+
+Multi-GPU: torchrun --nproc-per-node N 04_train.py ... (one process per GPU, data parallel).
+"""
+import os
+
+from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
+from common.verifier import load_text_config, resolve_verifier, verifier_fingerprint
+
+STAGE = "04_train"
+
+
+def build_parser():
+    p = stage_parser(STAGE, __doc__)
+    add_verifier_flags(p)
+    p.add_argument("--data-dir", nargs="+", default=["data"],
+                   help="extracted hidden states: one or more rows_A-B folders, hidden_states/ folders or data roots")
+    p.add_argument("--vocab-mapping-dir", help="output of stage 02 (default: the vocab_mapping folder beside the data)")
+    p.add_argument("--output-dir", default="out", help="checkpoints, metrics.jsonl, plots and the log go here")
+    p.add_argument("--epochs", type=int, default=10, help="passes over the training rows")
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (overrides --epochs)")
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW)")
+    p.add_argument("--min-lr-ratio", type=float, default=0.0, help="final learning rate as a share of --lr")
+    p.add_argument("--scheduler", choices=["cosine", "linear", "none"], default="cosine", help="decay after warmup")
+    p.add_argument("--warmup-steps", type=int, help="warmup steps (default: --warmup-ratio of all steps)")
+    p.add_argument("--warmup-ratio", type=float, default=0.03, help="warmup as a share of all steps")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
+    p.add_argument("--grad-accum", type=int, default=1, help="packed sequences per optimizer step (per GPU)")
+    p.add_argument("--max-seq-len", type=int, default=2048,
+                   help="tokens per packed training sequence (the batch token budget per GPU)")
+    p.add_argument("--ttt-steps", type=int, default=3, help="test-time-training unroll: draft positions trained")
+    p.add_argument("--ttt-loss-decay", type=float, default=1.0, help="loss weight multiplier per TTT step")
+    p.add_argument("--noise-std", type=float, default=0.0, help="Gaussian noise on input hidden states (train only)")
+    p.add_argument("--loss", default="kl_div", help="speculators loss name (kl_div, ce, ...) or a JSON dict of weights")
+    p.add_argument("--loss-implementation", choices=["eager", "fused"], default="eager",
+                   help="on a GPU: fused (Triton) or eager; the CPU always uses eager")
+    p.add_argument("--attn-impl", choices=["auto", "sdpa", "eager", "simple_flex_attention"], default="auto",
+                   help="draft attention (auto: flex attention on a GPU, sdpa on the CPU)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the draft forward (logged, with its time)")
+    p.add_argument("--val-ratio", type=float, default=0.05, help="share of rows held out for validation")
+    p.add_argument("--val-every", type=int, default=0, help="also validate every N steps (0: once per epoch)")
+    p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: once per epoch)")
+    p.add_argument("--log-every", type=int, default=10, help="log a line every N steps")
+    p.add_argument("--num-workers", type=int, default=2, help="data loader worker processes")
+    p.add_argument("--seed", type=int, default=0, help="seed of the split, the data order and the noise")
+    p.add_argument("--resume", action="store_true", help="continue from <output-dir>/checkpoints/latest")
+    p.add_argument("--plot", action="store_true", help="only redraw <output-dir>/training.png from metrics.jsonl")
+    return p
+
+
+def default_vocab_dir(data_dirs: list[str]) -> str:
+    """The vocab_mapping folder of the data root that holds the first data folder."""
+    path = os.path.abspath(data_dirs[0])
+    for _ in range(3):
+        if os.path.isdir(os.path.join(path, "vocab_mapping")):
+            return os.path.join(path, "vocab_mapping")
+        path = os.path.dirname(path)
+    raise UserError(f"no vocab_mapping folder near {data_dirs[0]}; pass --vocab-mapping-dir or run 02_build_vocab_mapping.py")
+
+
+def run(args):
+    from common.plot import plot_training
+    metrics = os.path.join(args.output_dir, "metrics.jsonl")
+    if args.plot:
+        if not os.path.exists(metrics):
+            raise UserError(f"{metrics} does not exist: nothing to plot")
+        return f"wrote {plot_training(metrics, os.path.join(args.output_dir, 'training.png'))}"
+    for flag, value, low in [("--epochs", args.epochs, 1), ("--max-seq-len", args.max_seq_len, 2),
+                             ("--ttt-steps", args.ttt_steps, 1), ("--grad-accum", args.grad_accum, 1)]:
+        if value < low:
+            raise UserError(f"{flag} {value}: must be at least {low}")
+    if not 0 <= args.val_ratio < 1:
+        raise UserError(f"--val-ratio {args.val_ratio}: must be in [0, 1)")
+    if args.lr <= 0:
+        raise UserError(f"--lr {args.lr}: must be positive")
+    args.vocab_mapping_dir = args.vocab_mapping_dir or default_vocab_dir(args.data_dir)
+    os.makedirs(args.output_dir, exist_ok=True)
+    if not args.resume and os.path.exists(os.path.join(args.output_dir, "checkpoints", "latest")):
+        raise UserError(f"{args.output_dir} already holds checkpoints: pass --resume to continue, or a new --output-dir")
+    if not args.resume and os.path.exists(metrics):
+        os.remove(metrics)
+    verifier = resolve_verifier(args.verifier_path)
+    text_config = load_text_config(verifier, args.trust_remote_code)
+    from common.train import train
+    summary = train(args, verifier, text_config, verifier_fingerprint(text_config))
+    if int(os.environ.get("RANK", 0)) == 0:
+        summary += f"; plot {plot_training(metrics, os.path.join(args.output_dir, 'training.png'))}"
+    return summary
+
+
+if __name__ == "__main__":
+    run_stage(STAGE, build_parser(), run)

@@ -1,0 +1,70 @@
+"""Building the EAGLE-3 draft (speculators' Eagle3DraftModel) and writing vLLM-servable checkpoints."""
+import os
+
+import numpy as np
+import torch
+
+from common.cli import UserError
+
+
+def eagle3_class():
+    """Eagle3DraftModel, with its forward left uncompiled: speculators compiles it whenever CUDA is
+    present, silently, for minutes; we compile only on --compile, and say so in the log."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+    forward = Eagle3DraftModel.forward
+    Eagle3DraftModel.forward = getattr(forward, "_torchdynamo_orig_callable", forward)
+    return Eagle3DraftModel
+
+
+def build_draft(verifier: str, aux_layers: list[int], vocab_dir: str, ttt_steps: int, attn_impl: str,
+                trust_remote_code: bool = False, num_layers: int = 1):
+    """A fresh draft whose frozen embedding, final norm and lm_head come from the verifier's shards.
+
+    speculators' own `from_training_args` reads the verifier config without trust_remote_code; this
+    builds the same config through the pieces that take it, so Kimi-style verifiers work too.
+    """
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.model import DraftVocabMixin
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from speculators.train.cli import create_transformer_layer_config
+
+    layer_config = create_transformer_layer_config(
+        verifier_name_or_path=verifier, num_layers=num_layers, draft_arch="llama", hidden_act=None,
+        sliding_window=0, full_attention_indices=list(range(num_layers)), trust_remote_code=trust_remote_code)
+    layer_config._attn_implementation = attn_impl  # noqa: SLF001 - how speculators selects it
+    t2d = torch.from_numpy(np.load(os.path.join(vocab_dir, "t2d.npy")))
+    d2t = torch.from_numpy(np.load(os.path.join(vocab_dir, "d2t.npy")))
+    if t2d.numel() != layer_config.vocab_size:
+        raise UserError(f"{vocab_dir}: t2d covers {t2d.numel()} tokens but the verifier has {layer_config.vocab_size}; "
+                        "rebuild it with 02_build_vocab_mapping.py for this verifier")
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer_config, draft_vocab_size=int(d2t.numel()), norm_before_residual=True,
+        eagle_aux_hidden_state_layer_ids=list(aux_layers),
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt_steps)],
+            default_proposal_method="greedy", verifier=VerifierConfig.from_pretrained(verifier)))
+    model = eagle3_class()(config)
+    model.load_vocab_mappings(t2d, d2t)
+    DraftVocabMixin._load_verifier_weights(model)  # noqa: SLF001 - skips Eagle3's config re-read
+    model.embed_tokens.weight.requires_grad_(False)
+    return model
+
+
+def trainable_state(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def save_servable(model, folder: str) -> None:
+    """speculators Eagle-3 format (config.json + model.safetensors with d2t/t2d), bf16, as vLLM loads it.
+    The config lists only the aux layer ids, never the appended final layer."""
+    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in model.state_dict().items()
+             if k not in model._keys_to_ignore_on_save}  # noqa: SLF001
+    model.save_pretrained(folder, state_dict=state)
+
+
+def load_draft(path: str):
+    """A saved checkpoint, for evaluation."""
+    model = eagle3_class().from_pretrained(path)
+    model.load_verifier_weights()
+    return model
