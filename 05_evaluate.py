@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Stage 05: acceptance length of EAGLE-3 drafts against the verifier, in real vLLM speculative decoding,
+per draft position, on held-out prompts -> <output-dir>/eval/{eval.json, eval.md, acceptance.png}."""
+import gc
+import json
+import os
+
+import torch
+
+from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
+from common.log import log
+from common.verifier import load_text_config, load_tokenizer, resolve_verifier
+
+STAGE = "05_evaluate"
+
+
+def build_parser():
+    p = stage_parser(STAGE, __doc__)
+    add_verifier_flags(p)
+    p.add_argument("--draft-path", required=True, help="draft checkpoint (for example out/checkpoints/best)")
+    p.add_argument("--compare", nargs="+", default=[], help="more draft checkpoints, evaluated on the same prompts")
+    p.add_argument("--prompts", default="sharegpt",
+                   help="'sharegpt' (conversations no training row used) or a .jsonl/.json of prompts or conversations")
+    p.add_argument("--data-dir", default="data", help="data root whose prepared rows are excluded from the prompts")
+    p.add_argument("--output-dir", default="out", help="the report goes to <output-dir>/eval")
+    p.add_argument("--num-prompts", type=int, default=16, help="conversations to answer")
+    p.add_argument("--max-turns", type=int, default=2, help="user turns per conversation, answered one by one")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per answer")
+    p.add_argument("--max-prompt-len", type=int, default=1024, help="keep at most the last N prompt tokens")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens proposed per verify step")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (and the lossless check)")
+    p.add_argument("--backend", choices=["vllm", "transformers"], default="vllm",
+                   help="vllm (real speculative decoding) or transformers (simulated greedy chain, no vLLM needed)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="verifier dtype (default bfloat16 on a GPU, float32 on the CPU)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="transformers backend device")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt choice and of sampling")
+    return p
+
+
+def check_draft(path: str, text_config) -> None:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise UserError(f"{path}: not a draft checkpoint (no config.json); run 04_train.py first")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    if cfg.get("speculators_model_type") != "eagle3":
+        raise UserError(f"{path}: not a speculators EAGLE-3 checkpoint")
+    layer = cfg["transformer_layer_config"]
+    if layer["hidden_size"] != text_config.hidden_size or layer["vocab_size"] != text_config.vocab_size:
+        raise UserError(f"{path} was trained for a verifier with hidden size {layer['hidden_size']} and vocab "
+                        f"{layer['vocab_size']}, but --verifier-path has {text_config.hidden_size} and "
+                        f"{text_config.vocab_size}")
+
+
+def run(args):
+    from common import evaluate as ev
+    if args.num_speculative_tokens < 1:
+        raise UserError(f"--num-speculative-tokens {args.num_speculative_tokens}: must be at least 1")
+    if args.temperature < 0 or args.num_prompts < 1 or args.max_new_tokens < 1:
+        raise UserError("--temperature must be >= 0, --num-prompts and --max-new-tokens >= 1")
+    if args.backend == "transformers" and args.temperature > 0:
+        raise UserError("--backend transformers simulates greedy decoding only; use --temperature 0")
+    verifier = resolve_verifier(args.verifier_path)
+    text_config = load_text_config(verifier, args.trust_remote_code)
+    drafts = {os.path.basename(os.path.realpath(p.rstrip("/"))) or p: p for p in [args.draft_path, *args.compare]}
+    for path in drafts.values():
+        check_draft(path, text_config)
+    tokenizer = load_tokenizer(verifier, args.trust_remote_code)
+    prompts = ev.load_prompts(args.prompts, args.data_dir, args.num_prompts, args.max_turns, args.seed)
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    args.max_model_len = args.max_prompt_len + args.max_new_tokens + args.num_speculative_tokens + 16
+    log.info(f"{len(prompts)} conversations, {sum(map(len, prompts))} turns, {args.max_new_tokens} new tokens each; "
+             f"backend {args.backend}")
+    report = {"backend": args.backend, "verifier": verifier, "num_speculative_tokens": args.num_speculative_tokens,
+              "temperature": args.temperature, "num_conversations": len(prompts), "drafts": {}}
+
+    if args.backend == "vllm":
+        llm = ev.vllm_engine(verifier, args)
+        base, base_time, base_tokens = ev.generate_vllm(llm, tokenizer, prompts, args)
+        del llm
+        gc.collect()
+    else:
+        from common.draft import load_draft
+        dtype = getattr(torch, args.dtype)
+        sim = None
+        base, base_time, base_tokens = None, None, None
+    report["baseline_tokens_per_s"] = base_tokens / base_time if base else None
+    for name, path in drafts.items():
+        if args.backend == "vllm":
+            llm = ev.vllm_engine(verifier, args, draft=path)
+            answers, wall, tokens = ev.generate_vllm(llm, tokenizer, prompts, args)
+            stats = ev.spec_counters(llm)
+            del llm
+            gc.collect()
+        else:
+            sim = ev.ChainSimulator(verifier, load_draft(path), args.device, dtype, args.trust_remote_code)
+            answers, wall, tokens, stats = ev.generate_simulated(sim, tokenizer, prompts, args)
+        result = ev.acceptance(stats)
+        result.update(tokens_per_s=tokens / wall, generated_tokens=tokens, path=path)
+        if args.temperature == 0 and base is not None:
+            mismatched = sum(a != b for conv_a, conv_b in zip(answers, base) for a, b in zip(conv_a, conv_b))
+            result["lossless"] = mismatched == 0
+            if mismatched:
+                log.error(f"LOSSLESS CHECK FAILED for {name}: {mismatched} answers differ from greedy decoding "
+                          "without speculation")
+        else:
+            result["lossless"] = "n/a"
+        report["drafts"][name] = result
+        log.info(f"{name}: mean acceptance length {result['mean_acceptance_length']:.3f}, per position "
+                 f"{[round(x, 3) for x in result['acceptance_rate_per_pos']]}")
+    table = ev.save_report(ev.json_safe(report), os.path.join(args.output_dir, "eval"))
+    for line in table.splitlines():
+        log.info(line)
+    best = max(report["drafts"].items(), key=lambda kv: kv[1]["mean_acceptance_length"])
+    return f"mean acceptance length {best[1]['mean_acceptance_length']:.3f} ({best[0]}); report in {args.output_dir}/eval"
+
+
+if __name__ == "__main__":
+    run_stage(STAGE, build_parser(), run)

@@ -1,0 +1,266 @@
+"""Stage 05: acceptance length of drafts against the verifier, on held-out prompts.
+
+Two backends: vLLM speculative decoding (the real thing), and a transformers simulation of greedy
+chain speculation (for machines without vLLM) that follows vLLM's EAGLE-3 proposer step by step.
+"""
+import json
+import os
+import random
+import time
+
+import torch
+
+from common.cli import UserError
+from common.data import load_records, normalize
+from common.log import log
+from common.manifest import MANIFEST
+
+
+# ---------------------------------------------------------------- prompts
+
+def used_conversations(data_dir: str) -> set:
+    """Source conversation ids that stage 01 turned into training rows under data_dir."""
+    used = set()
+    prepared = os.path.join(data_dir, "prepared")
+    for folder in os.listdir(prepared) if os.path.isdir(prepared) else []:
+        if os.path.exists(os.path.join(prepared, folder, MANIFEST)):
+            import datasets
+            used.update(datasets.load_from_disk(os.path.join(prepared, folder))["conversation_id"])
+    return used
+
+
+def load_prompts(source: str, data_dir: str, num_prompts: int, max_turns: int, seed: int) -> list[list[str]]:
+    """Held-out conversations as lists of user turns. Default: ShareGPT conversations that no
+    training row came from; else a jsonl of {"prompt": str}, plain strings, or conversations."""
+    if source == "sharegpt":
+        skip = used_conversations(data_dir)
+        records = [(i, r) for i, r in enumerate(load_records("sharegpt")) if i not in skip]
+        random.Random(seed + 1).shuffle(records)
+        log.info(f"held-out prompts: ShareGPT conversations not among the {len(skip)} used for training")
+    else:
+        if not os.path.exists(source):
+            raise UserError(f"--prompts {source}: file not found")
+        records = list(enumerate(load_records(source)))
+    prompts = []
+    for _, record in records:
+        if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+            turns = [record["prompt"]]
+        elif isinstance(record, str):
+            turns = [record]
+        else:
+            messages = normalize(record)
+            if isinstance(messages, str):
+                messages = normalize({"messages": record}) if isinstance(record, list) else messages
+            turns = [] if isinstance(messages, str) else [m["content"] for m in messages if m["role"] == "user"]
+        turns = [t for t in turns if t.strip()][:max_turns]
+        if turns:
+            prompts.append(turns)
+        if len(prompts) == num_prompts:
+            break
+    if not prompts:
+        raise UserError(f"--prompts {source}: no prompts found (expected {{\"prompt\": ...}} lines or conversations)")
+    return prompts
+
+
+def render(tokenizer, history: list[dict]) -> list[int]:
+    return tokenizer.apply_chat_template(history, tokenize=True, add_generation_prompt=True, return_dict=False)
+
+
+def clip_prompt(ids: list[int], max_prompt: int) -> list[int]:
+    return ids[-max_prompt:]
+
+
+# ---------------------------------------------------------------- vLLM
+
+def vllm_engine(verifier: str, args, draft: str | None = None):
+    from vllm import LLM
+    spec = None if draft is None else {"method": "eagle3", "model": draft,
+                                       "num_speculative_tokens": args.num_speculative_tokens}
+    return LLM(model=verifier, speculative_config=spec, disable_log_stats=False, enforce_eager=True,
+               max_model_len=args.max_model_len, dtype=args.dtype, seed=args.seed,
+               trust_remote_code=args.trust_remote_code, enable_prefix_caching=False)
+
+
+def spec_counters(llm) -> dict:
+    """Drafts, draft tokens, accepted tokens (total and per position) from vLLM's metrics."""
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts":
+            out["drafts"] += m.value
+        elif m.name == "vllm:spec_decode_num_draft_tokens":
+            out["draft_tokens"] += m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            out["accepted"] += m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out["accepted_per_pos"] = [a + b for a, b in zip(out["accepted_per_pos"] or [0] * len(m.values), m.values)]
+    return out
+
+
+def generate_vllm(llm, tokenizer, prompts, args) -> tuple[list[list[list[int]]], float, int]:
+    """Answer every conversation turn by turn (all conversations batched per turn); returns the
+    token ids of each answer, the wall time and the tokens generated."""
+    from vllm import SamplingParams, TokensPrompt
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    histories = [[] for _ in prompts]
+    answers = [[] for _ in prompts]
+    start, generated = time.time(), 0
+    for turn in range(max(len(p) for p in prompts)):
+        active = [i for i, p in enumerate(prompts) if turn < len(p)]
+        for i in active:
+            histories[i].append({"role": "user", "content": prompts[i][turn]})
+        inputs = [TokensPrompt(prompt_token_ids=clip_prompt(render(tokenizer, histories[i]), args.max_prompt_len))
+                  for i in active]
+        for i, out in zip(active, llm.generate(inputs, params, use_tqdm=False)):
+            ids = list(out.outputs[0].token_ids)
+            generated += len(ids)
+            answers[i].append(ids)
+            histories[i].append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
+    return answers, time.time() - start, generated
+
+
+# ---------------------------------------------------------------- transformers simulation
+
+class ChainSimulator:
+    """Greedy chain speculation with a verifier (transformers) and an EAGLE-3 draft, as vLLM runs it:
+    the draft's cache holds its first-step entries for every verified position (computed from the
+    verifier's aux states and the next token); each round it proposes k tokens from the last one,
+    feeding back its own hidden state, then the verifier accepts the longest matching prefix plus
+    one bonus token."""
+
+    def __init__(self, verifier_path: str, draft, device: str, dtype: torch.dtype, trust_remote_code: bool):
+        from transformers import AutoModelForCausalLM
+
+        from common.extract import decoder_layers
+        self.device = torch.device(device)
+        self.verifier = AutoModelForCausalLM.from_pretrained(verifier_path, dtype=dtype,
+                                                             trust_remote_code=trust_remote_code).to(self.device).eval()
+        self.draft = draft.to(self.device, dtype).eval()
+        n = self.verifier.config.get_text_config().num_hidden_layers
+        layers = decoder_layers(self.verifier, n)
+        self.aux: list = [None] * len(draft.target_layer_ids)
+        for slot, k in enumerate(draft.target_layer_ids):
+            layers[k].register_forward_pre_hook(self._hook(slot), with_kwargs=True)
+
+    def _hook(self, slot):
+        def hook(_m, args, kwargs):
+            self.aux[slot] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def _verify(self, ids: list[int], cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verifier over new tokens: greedy next tokens [T] and concatenated aux states [T, n*H]."""
+        x = torch.tensor([ids], device=self.device)
+        logits = self.verifier(input_ids=x, past_key_values=cache, use_cache=True).logits[0]
+        return logits.argmax(-1), torch.cat(self.aux, dim=-1)[0]
+
+    def _draft_step(self, hidden, tokens, start: int, cache):
+        """One draft layer pass over len(tokens) positions starting at `start`; returns (out hidden, draft ids)."""
+        d = self.draft
+        embeds = d.embed_tokens(torch.tensor([tokens], device=self.device))
+        h = torch.cat([embeds, hidden[None]], dim=-1)
+        positions = torch.arange(start, start + len(tokens), device=self.device)[None] + 1
+        cache_position = torch.arange(start, start + len(tokens), device=self.device)
+        pos_emb = d.rotary_emb(h, positions)
+        for layer in d.layers:
+            h = layer(h, attention_mask=None, position_ids=positions, past_key_values=cache,
+                      cache_position=cache_position, position_embeddings=pos_emb)
+        logits = d.lm_head(d.norm(h))[0]
+        draft_ids = logits.argmax(-1)
+        return h[0], draft_ids + d.d2t.to(self.device)[draft_ids]
+
+    @torch.no_grad()
+    def generate(self, prompt: list[int], max_new: int, k: int, eos: int, stats: dict) -> list[int]:
+        from transformers import DynamicCache
+        vcache, dcache = DynamicCache(), DynamicCache()
+        seq = list(prompt)
+        greedy, aux = self._verify(seq, vcache)
+        aux_states = aux                                       # aux of every verified position
+        seq.append(int(greedy[-1]))                            # the first token comes from the prefill
+        out = [seq[-1]]
+        drafted = 0                                            # positions with draft-cache entries
+        while len(out) < max_new and out[-1] != eos:
+            # first draft step over newly verified positions: state of p + token p+1
+            m = len(seq) - 1
+            hidden = self.draft.fc(aux_states[drafted:m])
+            h, ids = self._draft_step(hidden, seq[drafted + 1: m + 1], drafted, dcache)
+            drafted = m
+            proposals, last_h = [int(ids[-1])], h[-1:]
+            for step in range(1, k):
+                last_h, ids = self._draft_step(last_h, [proposals[-1]], m + step - 1, dcache)
+                proposals.append(int(ids[-1]))
+            dcache.crop(drafted)
+            # verify: the last token plus the proposals
+            greedy, aux = self._verify([seq[-1]] + proposals, vcache)
+            accepted = 0
+            while accepted < k and proposals[accepted] == int(greedy[accepted]):
+                accepted += 1
+            stats["drafts"] += 1
+            stats["draft_tokens"] += k
+            stats["accepted"] += accepted
+            for p in range(accepted):
+                stats["accepted_per_pos"][p] += 1
+            new = proposals[:accepted] + [int(greedy[accepted])]
+            aux_states = torch.cat([aux_states, aux[: accepted + 1]])
+            vcache.crop(len(seq) + accepted)
+            seq.extend(new)
+            out.extend(new)
+            if eos in new:
+                out = out[: out.index(eos) + 1]
+                break
+        return out[:max_new]
+
+
+def generate_simulated(sim: ChainSimulator, tokenizer, prompts, args) -> tuple[list, float, int, dict]:
+    stats = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * args.num_speculative_tokens}
+    answers, start, generated = [], time.time(), 0
+    for turns in prompts:
+        history, conv = [], []
+        for turn in turns:
+            history.append({"role": "user", "content": turn})
+            ids = sim.generate(clip_prompt(render(tokenizer, history), args.max_prompt_len), args.max_new_tokens,
+                               args.num_speculative_tokens, tokenizer.eos_token_id, stats)
+            generated += len(ids)
+            conv.append(ids)
+            history.append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
+        answers.append(conv)
+    return answers, time.time() - start, generated, stats
+
+
+# ---------------------------------------------------------------- report
+
+def acceptance(stats: dict) -> dict:
+    drafts = max(stats["drafts"], 1)
+    return {"mean_acceptance_length": 1 + stats["accepted"] / drafts,
+            "acceptance_rate_per_pos": [a / drafts for a in stats["accepted_per_pos"]],
+            "drafts": stats["drafts"], "draft_tokens": stats["draft_tokens"], "accepted_tokens": stats["accepted"]}
+
+
+def markdown_table(report: dict) -> str:
+    k = report["num_speculative_tokens"]
+    head = ("| draft | acceptance length | " + " | ".join(f"pos {p + 1}" for p in range(k))
+            + " | drafts | accepted | tok/s spec | tok/s base | speedup | lossless |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, r in report["drafts"].items():
+        rates = " | ".join(f"{x:.3f}" for x in r["acceptance_rate_per_pos"])
+        base = report.get("baseline_tokens_per_s")
+        lines.append(f"| {name} | {r['mean_acceptance_length']:.3f} | {rates} | {r['drafts']} | {r['accepted_tokens']} | "
+                     f"{r['tokens_per_s']:.1f} | {base:.1f} | {r['tokens_per_s'] / base:.2f}x | {r['lossless']} |"
+                     if base else
+                     f"| {name} | {r['mean_acceptance_length']:.3f} | {rates} | {r['drafts']} | {r['accepted_tokens']} | "
+                     f"{r['tokens_per_s']:.1f} | - | - | {r['lossless']} |")
+    return "\n".join(lines)
+
+
+def save_report(report: dict, out_dir: str) -> str:
+    from common.manifest import atomic_write_json, atomic_write_text
+    from common.plot import plot_acceptance
+    os.makedirs(out_dir, exist_ok=True)
+    atomic_write_json(os.path.join(out_dir, "eval.json"), report)
+    table = markdown_table(report)
+    atomic_write_text(os.path.join(out_dir, "eval.md"), table + "\n")
+    plot_acceptance({n: r["acceptance_rate_per_pos"] for n, r in report["drafts"].items()},
+                    os.path.join(out_dir, "acceptance.png"))
+    return table
+
+
+def json_safe(obj):
+    return json.loads(json.dumps(obj, default=str))
