@@ -75,6 +75,7 @@ def run(args):
     report = {"backend": args.backend, "verifier": verifier, "num_speculative_tokens": args.num_speculative_tokens,
               "temperature": args.temperature, "num_conversations": len(prompts), "drafts": {}}
 
+    eos = tokenizer.eos_token_id
     if args.backend == "vllm":
         llm = ev.vllm_engine(verifier, args)
         base, base_time, base_tokens = ev.generate_vllm(llm, tokenizer, prompts, args)
@@ -82,10 +83,10 @@ def run(args):
         gc.collect()
     else:
         from common.draft import load_draft
-        dtype = getattr(torch, args.dtype)
-        sim = None
-        base, base_time, base_tokens = None, None, None
-    report["baseline_tokens_per_s"] = base_tokens / base_time if base else None
+        sim = ev.ChainSimulator(verifier, args.device, getattr(torch, args.dtype), args.trust_remote_code)
+        base, base_time, base_tokens = ev.answer_one_by_one(
+            lambda ids: sim.plain(ids, args.max_new_tokens, eos), tokenizer, prompts, args)
+    report["baseline_tokens_per_s"] = base_tokens / base_time
     for name, path in drafts.items():
         if args.backend == "vllm":
             llm = ev.vllm_engine(verifier, args, draft=path)
@@ -94,11 +95,14 @@ def run(args):
             del llm
             gc.collect()
         else:
-            sim = ev.ChainSimulator(verifier, load_draft(path), args.device, dtype, args.trust_remote_code)
-            answers, wall, tokens, stats = ev.generate_simulated(sim, tokenizer, prompts, args)
+            sim.set_draft(load_draft(path))
+            stats = ev.new_stats(args.num_speculative_tokens)
+            answers, wall, tokens = ev.answer_one_by_one(
+                lambda ids: sim.generate(ids, args.max_new_tokens, args.num_speculative_tokens, eos, stats),
+                tokenizer, prompts, args)
         result = ev.acceptance(stats)
         result.update(tokens_per_s=tokens / wall, generated_tokens=tokens, path=path)
-        if args.temperature == 0 and base is not None:
+        if args.temperature == 0:
             mismatched = sum(a != b for conv_a, conv_b in zip(answers, base) for a, b in zip(conv_a, conv_b))
             result["lossless"] = mismatched == 0
             if mismatched:

@@ -127,24 +127,37 @@ class ChainSimulator:
     feeding back its own hidden state, then the verifier accepts the longest matching prefix plus
     one bonus token."""
 
-    def __init__(self, verifier_path: str, draft, device: str, dtype: torch.dtype, trust_remote_code: bool):
+    def __init__(self, verifier_path: str, device: str, dtype: torch.dtype, trust_remote_code: bool):
         from transformers import AutoModelForCausalLM
 
         from common.extract import decoder_layers
-        self.device = torch.device(device)
+        self.device, self.dtype = torch.device(device), dtype
         self.verifier = AutoModelForCausalLM.from_pretrained(verifier_path, dtype=dtype,
                                                              trust_remote_code=trust_remote_code).to(self.device).eval()
-        self.draft = draft.to(self.device, dtype).eval()
-        n = self.verifier.config.get_text_config().num_hidden_layers
-        layers = decoder_layers(self.verifier, n)
-        self.aux: list = [None] * len(draft.target_layer_ids)
-        for slot, k in enumerate(draft.target_layer_ids):
-            layers[k].register_forward_pre_hook(self._hook(slot), with_kwargs=True)
+        self.layers = decoder_layers(self.verifier, self.verifier.config.get_text_config().num_hidden_layers)
+        self.draft, self.hooks, self.aux = None, [], []
+
+    def set_draft(self, draft) -> None:
+        """Use this draft; hooks capture the verifier layers that it reads."""
+        for h in self.hooks:
+            h.remove()
+        self.draft = draft.to(self.device, self.dtype).eval()
+        self.aux = [None] * len(draft.target_layer_ids)
+        self.hooks = [self.layers[k].register_forward_pre_hook(self._hook(slot), with_kwargs=True)
+                      for slot, k in enumerate(draft.target_layer_ids)]
 
     def _hook(self, slot):
         def hook(_m, args, kwargs):
             self.aux[slot] = args[0] if args else kwargs["hidden_states"]
         return hook
+
+    @torch.no_grad()
+    def plain(self, prompt: list[int], max_new: int, eos: int, stats=None) -> list[int]:
+        """Greedy decoding without speculation: the baseline for speed and the lossless check."""
+        x = torch.tensor([prompt], device=self.device)
+        out = self.verifier.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                                     eos_token_id=eos, pad_token_id=eos)
+        return out[0, len(prompt):].tolist()
 
     def _verify(self, ids: list[int], cache) -> tuple[torch.Tensor, torch.Tensor]:
         """Verifier over new tokens: greedy next tokens [T] and concatenated aux states [T, n*H]."""
@@ -187,7 +200,7 @@ class ChainSimulator:
             for step in range(1, k):
                 last_h, ids = self._draft_step(last_h, [proposals[-1]], m + step - 1, dcache)
                 proposals.append(int(ids[-1]))
-            dcache.crop(drafted)
+            crop(dcache, drafted)
             # verify: the last token plus the proposals
             greedy, aux = self._verify([seq[-1]] + proposals, vcache)
             accepted = 0
@@ -200,7 +213,7 @@ class ChainSimulator:
                 stats["accepted_per_pos"][p] += 1
             new = proposals[:accepted] + [int(greedy[accepted])]
             aux_states = torch.cat([aux_states, aux[: accepted + 1]])
-            vcache.crop(len(seq) + accepted)
+            crop(vcache, len(seq) + accepted)
             seq.extend(new)
             out.extend(new)
             if eos in new:
@@ -209,20 +222,30 @@ class ChainSimulator:
         return out[:max_new]
 
 
-def generate_simulated(sim: ChainSimulator, tokenizer, prompts, args) -> tuple[list, float, int, dict]:
-    stats = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * args.num_speculative_tokens}
+def crop(cache, length: int) -> None:
+    """Keep the first `length` positions of a transformers cache."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def answer_one_by_one(generate, tokenizer, prompts, args) -> tuple[list, float, int]:
+    """Answer each conversation turn by turn with generate(prompt_ids) -> answer ids."""
     answers, start, generated = [], time.time(), 0
     for turns in prompts:
         history, conv = [], []
         for turn in turns:
             history.append({"role": "user", "content": turn})
-            ids = sim.generate(clip_prompt(render(tokenizer, history), args.max_prompt_len), args.max_new_tokens,
-                               args.num_speculative_tokens, tokenizer.eos_token_id, stats)
+            ids = generate(clip_prompt(render(tokenizer, history), args.max_prompt_len))
             generated += len(ids)
             conv.append(ids)
             history.append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
         answers.append(conv)
-    return answers, time.time() - start, generated, stats
+    return answers, time.time() - start, generated
+
+
+def new_stats(k: int) -> dict:
+    return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * k}
 
 
 # ---------------------------------------------------------------- report
@@ -239,14 +262,11 @@ def markdown_table(report: dict) -> str:
     head = ("| draft | acceptance length | " + " | ".join(f"pos {p + 1}" for p in range(k))
             + " | drafts | accepted | tok/s spec | tok/s base | speedup | lossless |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    base = report["baseline_tokens_per_s"]
     for name, r in report["drafts"].items():
         rates = " | ".join(f"{x:.3f}" for x in r["acceptance_rate_per_pos"])
-        base = report.get("baseline_tokens_per_s")
         lines.append(f"| {name} | {r['mean_acceptance_length']:.3f} | {rates} | {r['drafts']} | {r['accepted_tokens']} | "
-                     f"{r['tokens_per_s']:.1f} | {base:.1f} | {r['tokens_per_s'] / base:.2f}x | {r['lossless']} |"
-                     if base else
-                     f"| {name} | {r['mean_acceptance_length']:.3f} | {rates} | {r['drafts']} | {r['accepted_tokens']} | "
-                     f"{r['tokens_per_s']:.1f} | - | - | {r['lossless']} |")
+                     f"{r['tokens_per_s']:.1f} | {base:.1f} | {r['tokens_per_s'] / base:.2f}x | {r['lossless']} |")
     return "\n".join(lines)
 
 
