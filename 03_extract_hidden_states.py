@@ -11,7 +11,7 @@ import torch
 from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
 from common.extract import RowWriter, TransformersBackend, extract_transformers, file_is_valid, plan_batches, row_file
 from common.log import Progress, log
-from common.manifest import atomic_write_json, find_stage_dirs, manifest_hash, write_manifest
+from common.manifest import atomic_write_json, find_stage_dirs, manifest_hash, read_manifest, write_manifest
 from common.verifier import (check_aux_layers, default_aux_layers, load_text_config, load_tokenizer,
                              resolve_verifier, tokenizer_fingerprint, verifier_fingerprint)
 
@@ -64,11 +64,6 @@ def scan_existing(out, rows, n_slots, hidden_size) -> tuple[list[int], int]:
 
 def extract_folder(args, prepared, verifier, text_config, aux, tok_hash):
     import datasets
-    from common.manifest import read_manifest
-    pm = read_manifest(prepared, "prepare")
-    if pm["inputs"]["tokenizer_hash"] != tok_hash:
-        raise UserError(f"{prepared} was tokenized with another tokenizer than {verifier}'s; "
-                        "rerun 01_prepare_dataset.py with this --verifier-path")
     out = os.path.join(args.data_dir, "hidden_states", os.path.basename(prepared.rstrip("/")))
     os.makedirs(out, exist_ok=True)
     config = extract_config(args, verifier, text_config, aux)
@@ -105,17 +100,18 @@ def extract_folder(args, prepared, verifier, text_config, aux, tok_hash):
             progress.update(n_rows)
 
         if args.backend == "transformers":
-            backend = args._backend
-            batches = plan_batches({i: len(r["input_ids"]) for i, r in todo_rows.items()}, args.max_tokens_per_batch)
+            # Batches are planned over all rows, so a resumed run computes each row in the same batch as
+            # an uninterrupted one would (identical files); batches already written are skipped.
+            planned = plan_batches({i: len(r["input_ids"]) for i, r in rows.items()}, args.max_tokens_per_batch)
+            batches = [b for b in planned if any(i in todo_rows for i in b)]
             log.info(f"{len(batches)} batches of at most {args.max_tokens_per_batch} padded tokens")
-            pad_id = args._pad_id
 
             def count(n_rows, batch_tokens):
                 done_tokens["n"] += batch_tokens
                 on_done(n_rows)
             for batch in batches:
-                tokens = sum(len(todo_rows[i]["input_ids"]) for i in batch)
-                extract_transformers(backend, [batch], todo_rows, out, writer, pad_id,
+                tokens = sum(len(rows[i]["input_ids"]) for i in batch)
+                extract_transformers(args._backend, [batch], rows, set(todo_rows), out, writer, args._pad_id,
                                      lambda n, t=tokens: count(n, t))
         else:
             from common.vllm_extract import extract_vllm
@@ -143,13 +139,17 @@ def run(args):
     if args.max_tokens_per_batch <= 0:
         raise UserError(f"--max-tokens-per-batch {args.max_tokens_per_batch}: must be positive")
     verifier = resolve_verifier(args.verifier_path)
-    text_config = load_text_config(verifier, args.trust_remote_code)
-    n = text_config.num_hidden_layers
-    aux = check_aux_layers(args.layers if args.layers else default_aux_layers(n), n)
     tokenizer = load_tokenizer(verifier, args.trust_remote_code)
     tok_hash = tokenizer_fingerprint(tokenizer)
     folders = find_stage_dirs(os.path.join(args.data_dir, "prepared", f"rows_{args.rows}") if args.rows
                               else args.data_dir, "prepare", "prepared")
+    for folder in folders:
+        if read_manifest(folder, "prepare")["inputs"]["tokenizer_hash"] != tok_hash:
+            raise UserError(f"{folder} was tokenized with another tokenizer than {verifier}'s; "
+                            "rerun 01_prepare_dataset.py with this --verifier-path")
+    text_config = load_text_config(verifier, args.trust_remote_code)
+    n = text_config.num_hidden_layers
+    aux = check_aux_layers(args.layers if args.layers else default_aux_layers(n), n)
     log.info(f"verifier {verifier}: {n} layers, hidden {text_config.hidden_size}; aux layers {aux} + final layer {n}")
     dtype = args.dtype or ("bfloat16" if args.device != "cpu" else "float32")
     if args.backend == "transformers":
@@ -158,17 +158,12 @@ def run(args):
     else:
         from common.vllm_extract import VllmBackend
         args._backend = VllmBackend(verifier, aux, n, args.tensor_parallel_size, dtype, args.trust_remote_code,
-                                    max_len=max(read_manifest_max(f) for f in folders))
+                                    max_len=max(read_manifest(f, "prepare")["counts"]["max_row_tokens"] for f in folders))
     totals = [extract_folder(args, f, verifier, text_config, aux, tok_hash) for f in folders]
     rows = sum(t["rows"] for t in totals)
     done = sum(t["extracted"] for t in totals)
     gb = sum(t["bytes"] for t in totals) / 1e9
     return f"{rows} rows in {len(folders)} folder(s), {done} extracted now, {gb:.2f} GB on disk"
-
-
-def read_manifest_max(folder):
-    from common.manifest import read_manifest
-    return read_manifest(folder, "prepare")["counts"]["max_row_tokens"]
 
 
 if __name__ == "__main__":

@@ -91,6 +91,8 @@ def normalize(record) -> list[dict] | str:
         messages.append({"role": ROLE_MAP[str(role).lower()], "content": content})
     if not any(m["role"] == "assistant" for m in messages):
         return "no_assistant_turn"
+    if next(m["role"] for m in messages if m["role"] != "system") != "user":
+        return "starts_with_assistant"  # a fragment of a longer chat (ShareGPT splits long ones)
     return messages
 
 

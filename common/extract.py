@@ -164,10 +164,11 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def extract_transformers(backend: TransformersBackend, batches, rows: dict, out: str, writer: RowWriter,
+def extract_transformers(backend: TransformersBackend, batches, rows: dict, todo: set, out: str, writer: RowWriter,
                          pad_id: int, on_done) -> None:
-    """Run every batch; on out-of-memory split it in two and retry. Copies to pinned host memory are
-    asynchronous, so the next forward starts while this batch travels to the disk."""
+    """Run every batch and write its rows that are in `todo`; on out-of-memory split it in two and retry.
+    Copies to pinned host memory are asynchronous, so the next forward starts while this batch travels
+    to the disk."""
     on_gpu = backend.device.type == "cuda"
     queue = list(batches)
     while queue:
@@ -194,5 +195,5 @@ def extract_transformers(backend: TransformersBackend, batches, rows: dict, out:
             ready.record()
             states = host
         jobs = [(row_file(out, i), rows[i]["input_ids"], states[b, : len(rows[i]["input_ids"])], rows[i]["loss_mask"])
-                for b, i in enumerate(batch)]
+                for b, i in enumerate(batch) if i in todo]
         writer.submit(jobs, ready, on_done)

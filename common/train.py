@@ -259,6 +259,14 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         model.train()
         return summarize(sums, args.ttt_steps)
 
+    def validate(tag: str, epoch_no: int) -> dict | None:
+        val = evaluate()
+        if val and rank == 0:
+            log.info(f"val {tag}: loss {val['loss']:.4f} acc {'/'.join(f'{a:.3f}' for a in val['acc_pos'])} "
+                     f"est. accept len {val['est_accept_len']:.2f}")
+            log_jsonl({"split": "val", "step": step, "epoch": epoch_no, **val})
+        return val
+
     def log_jsonl(record: dict):
         if rank == 0:
             with open(metrics_path, "a") as f:
@@ -319,11 +327,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
                            "lr": optimizer.param_groups[0]["lr"], "tokens_per_s": tokens_since / dt})
                 t_last, tokens_since, sums = time.time(), 0, {}
             if args.val_every and step % args.val_every == 0:
-                val = evaluate()
-                if val and rank == 0:
-                    log.info(f"val step {step}: loss {val['loss']:.4f} acc "
-                             f"{'/'.join(f'{a:.3f}' for a in val['acc_pos'])} est. accept len {val['est_accept_len']:.2f}")
-                    log_jsonl({"split": "val", "step": step, "epoch": epoch + 1, **val})
+                validate(f"step {step}", epoch + 1)
             if args.save_every and step % args.save_every == 0:
                 checkpoint(f"step_{step}", None)
             if args.max_steps and step >= args.max_steps:
@@ -331,14 +335,9 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
                 break
         else:
             epoch, step_in_epoch = epoch + 1, 0
-            val = evaluate()
-            if val and rank == 0:
-                log.info(f"val epoch {epoch}: loss {val['loss']:.4f} acc "
-                         f"{'/'.join(f'{a:.3f}' for a in val['acc_pos'])} est. accept len {val['est_accept_len']:.2f}")
-                log_jsonl({"split": "val", "step": step, "epoch": epoch, **val})
-            checkpoint(f"epoch_{epoch}", val)
+            checkpoint(f"epoch_{epoch}", validate(f"epoch {epoch}", epoch))
     if stop:
-        checkpoint(f"step_{step}", evaluate())
+        checkpoint(f"step_{step}", validate(f"step {step}", epoch + 1))
     if world > 1:
         torch.distributed.destroy_process_group()
     return f"trained {step} steps; best val loss {best_val:.4f}; checkpoints in {args.output_dir}/checkpoints"

@@ -1,0 +1,118 @@
+"""Shared fixtures: the real SmolLM2 verifier, real ShareGPT rows, run through the real stage scripts.
+
+Stages run as subprocesses, exactly as a user launches them; the pipeline fixtures are built once per
+session and shared (the vLLM tests start their own engines, one per configuration).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("EAGLE3_CACHE", os.path.join(ROOT, ".cache", "eagle3"))
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(ROOT, ".cache", "vllm"))
+
+ROWS, SEQ = 64, 256          # small real data: ~14K tokens, a minute of extraction on 2 cores
+DRAFT_VOCAB = 4096
+
+
+def stage(script: str, *args, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run a numbered script; return the completed process (stdout+stderr as text)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, *words: str) -> None:
+    """Exit code 2, one line on stderr naming the problem, no traceback."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:") or ": error:" in line]
+    assert len(errors) == 1, proc.stderr
+    for w in words:
+        assert w.lower() in errors[0].lower(), errors[0]
+
+
+@pytest.fixture(scope="session")
+def verifier():
+    from common.verifier import ensure_default_verifier
+    return ensure_default_verifier()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(verifier):
+    from common.verifier import load_tokenizer
+    return load_tokenizer(verifier)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory, verifier):
+    """Stages 01-03 on real ShareGPT rows: <data>/prepared, vocab_mapping, hidden_states."""
+    data = tmp_path_factory.mktemp("data")
+    stage("01_prepare_dataset.py", "--data-dir", data, "--num-samples", ROWS, "--max-seq-len", SEQ)
+    stage("02_build_vocab_mapping.py", "--data-dir", data, "--draft-vocab-size", DRAFT_VOCAB)
+    stage("03_extract_hidden_states.py", "--data-dir", data, "--max-tokens-per-batch", 2048)
+    return data
+
+
+@pytest.fixture(scope="session")
+def prepared_dir(data_dir):
+    return data_dir / "prepared" / f"rows_0-{ROWS}"
+
+
+@pytest.fixture(scope="session")
+def hs_dir(data_dir):
+    return data_dir / "hidden_states" / f"rows_0-{ROWS}"
+
+
+TRAIN_ARGS = ["--epochs", 4, "--max-seq-len", 1024, "--lr", 2e-3, "--warmup-steps", 5, "--log-every", 5,
+              "--num-workers", 1, "--val-ratio", 0.1]
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, data_dir):
+    """A draft trained by the pipeline; returns its output folder."""
+    out = tmp_path_factory.mktemp("train")
+    stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, *TRAIN_ARGS)
+    return out
+
+
+@pytest.fixture(scope="session")
+def other_verifier(tmp_path_factory, tokenizer):
+    """A different (random, small) verifier sharing SmolLM2's tokenizer: hidden 64, 4 layers, a padded
+    vocabulary of 49,280 (embedding rows beyond the tokenizer, as Kimi's has)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    folder = tmp_path_factory.mktemp("other_verifier")
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=49280, tie_word_embeddings=True,
+                         eos_token_id=2, pad_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def foreign_verifier(tmp_path_factory, other_verifier):
+    """other_verifier with a real tokenizer that differs from SmolLM2's by one added token."""
+    import shutil
+
+    from transformers import AutoTokenizer
+    folder = tmp_path_factory.mktemp("foreign_verifier") / "model"
+    shutil.copytree(other_verifier, folder)
+    tok = AutoTokenizer.from_pretrained(other_verifier)
+    tok.add_tokens(["<extra_token_for_test>"])
+    tok.save_pretrained(folder)
+    return folder
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,96 @@
+"""Stage 03 on the real verifier: layout, equality with an unbatched forward, resume, both backends."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import datasets
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, ROWS, assert_user_error, read_json, stage
+
+
+def test_files_match_an_unbatched_forward(verifier, prepared_dir, hs_dir):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.float32).eval()
+    manifest = read_json(hs_dir / "manifest.json")
+    aux = manifest["aux_layers"]
+    assert aux == [2, 15, 27] and manifest["final_layer"] == 30
+    ds = datasets.load_from_disk(str(prepared_dir))
+    lengths = ds["seq_len"]
+    # the longest and the shortest row: batched with padding in the run, alone here
+    for i in (lengths.index(max(lengths)), lengths.index(min(lengths))):
+        f = load_file(hs_dir / f"hs_{i}.safetensors")
+        n = lengths[i]
+        assert f["hidden_states"].shape == (n, 4, 576) and f["hidden_states"].dtype == torch.bfloat16
+        assert f["token_ids"].tolist() == ds[i]["input_ids"] and f["loss_mask"].tolist() == ds[i]["loss_mask"]
+        with torch.no_grad():
+            hs = model(torch.tensor([ds[i]["input_ids"]]), output_hidden_states=True).hidden_states
+        for slot, k in enumerate(aux):
+            torch.testing.assert_close(f["hidden_states"][:, slot].float(), hs[k][0], rtol=0.02, atol=0.02)
+        final = f["hidden_states"][:, 3].float()
+        # the final slot is before the final norm: norm(final) is transformers' last (normed) entry
+        torch.testing.assert_close(model.model.norm(final), hs[-1][0], rtol=0.02, atol=0.05)
+        assert not torch.allclose(final, hs[-1][0], atol=0.5)
+    counts = manifest["counts"]
+    assert counts["bytes_per_token"] >= 4 * 576 * 2 and counts["rows"] == len(ds)
+
+
+def test_resume_after_kill_and_corrupt_file_redone(tmp_path, data_dir, hs_dir):
+    shutil.copytree(data_dir / "prepared", tmp_path / "prepared")
+    args = [sys.executable, os.path.join(ROOT, "03_extract_hidden_states.py"), "--data-dir", str(tmp_path),
+            "--max-tokens-per-batch", "2048"]  # the budget of the uninterrupted run (fixture)
+    out = tmp_path / "hidden_states" / f"rows_0-{ROWS}"
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while proc.poll() is None and len([f for f in os.listdir(out)] if out.exists() else []) < 12:
+        pass
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = [f for f in os.listdir(out) if f.endswith(".safetensors")]
+    assert 0 < len(done) < len(os.listdir(hs_dir)) and not (out / "manifest.json").exists()
+    # plant a truncated file, as a crash in the middle of a write on another filesystem would leave
+    victim = out / done[0]
+    victim.write_bytes(victim.read_bytes()[:1000])
+    proc = stage("03_extract_hidden_states.py", "--data-dir", tmp_path, "--max-tokens-per-batch", 2048)
+    assert "corrupt" in proc.stdout
+    counts = read_json(out / "manifest.json")["counts"]
+    assert counts["corrupt_redone"] == 1 and counts["skipped_complete"] == len(done) - 1
+    for name in os.listdir(hs_dir):
+        if name.endswith(".safetensors"):
+            a, b = load_file(out / name), load_file(hs_dir / name)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    # a third run finds everything complete
+    proc = stage("03_extract_hidden_states.py", "--data-dir", tmp_path)
+    assert f"{ROWS}" in proc.stdout and read_json(out / "manifest.json")["counts"]["extracted"] == 0
+
+
+@pytest.mark.slow
+def test_vllm_backend_matches_transformers(tmp_path, data_dir, hs_dir):
+    os.makedirs(tmp_path / "prepared")
+    shutil.copytree(data_dir / "prepared" / f"rows_0-{ROWS}", tmp_path / "prepared" / f"rows_0-{ROWS}")
+    stage("03_extract_hidden_states.py", "--data-dir", tmp_path, "--backend", "vllm", "--max-tokens-per-batch", 4096)
+    out = tmp_path / "hidden_states" / f"rows_0-{ROWS}"
+    assert read_json(out / "manifest.json")["aux_layers"] == read_json(hs_dir / "manifest.json")["aux_layers"]
+    names = [n for n in os.listdir(hs_dir) if n.endswith(".safetensors")]
+    assert sorted(names) == sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
+    for name in names:
+        a, b = load_file(out / name), load_file(hs_dir / name)
+        assert torch.equal(a["token_ids"], b["token_ids"]) and a["hidden_states"].shape == b["hidden_states"].shape
+        cos = torch.nn.functional.cosine_similarity(a["hidden_states"].float(), b["hidden_states"].float(), dim=-1)
+        assert cos.min() >= 0.999, (name, cos.min(dim=0))
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path, data_dir, foreign_verifier):
+    shutil.copytree(data_dir / "prepared", tmp_path / "prepared")
+    cases = [
+        (["--layers", "2", "40"], "outside"),
+        (["--max-tokens-per-batch", "100"], "longest row"),
+        (["--backend", "onnx"], "invalid choice"),
+        (["--verifier-path", foreign_verifier], "another tokenizer"),
+    ]
+    for args, words in cases:
+        assert_user_error(stage("03_extract_hidden_states.py", "--data-dir", tmp_path, *args, check=False), words)
+    assert not (tmp_path / "hidden_states" / f"rows_0-{ROWS}" / "manifest.json").exists()

@@ -1,0 +1,110 @@
+"""Stage 01 on the real SmolLM2 tokenizer and real ShareGPT conversations."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import datasets
+
+from common.data import load_records, normalize, tokenize_with_mask
+from conftest import ROOT, ROWS, SEQ, assert_user_error, read_json, stage
+
+
+def multi_turn_conversation():
+    for record in load_records("sharegpt"):
+        messages = normalize(record)
+        if not isinstance(messages, str) and sum(m["role"] == "assistant" for m in messages) >= 3:
+            if sum(len(m["content"]) for m in messages) < 6000:
+                return messages
+    raise AssertionError("no multi-turn conversation in ShareGPT")
+
+
+def test_mask_decodes_to_exactly_the_assistant_replies(tokenizer):
+    messages = multi_turn_conversation()
+    ids, mask = tokenize_with_mask(tokenizer, messages)
+    masked = tokenizer.decode([i for i, m in zip(ids, mask) if m])
+    expected = "".join(m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant")
+    assert masked == expected
+    # the template's default system prompt and the role headers are never trained on
+    unmasked = tokenizer.decode([i for i, m in zip(ids, mask) if not m])
+    assert "You are a helpful AI assistant" in unmasked and unmasked.count("<|im_start|>assistant") == sum(
+        m["role"] == "assistant" for m in messages)
+
+
+def test_openai_shape_and_messages_column_give_the_same_rows(tokenizer):
+    sharegpt = {"conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello!"}]}
+    openai = {"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}]}
+    assert normalize(sharegpt) == normalize(openai) == normalize(openai["messages"])
+    assert normalize({"text": "no turns"}) == "unknown_shape"
+
+
+def test_prepared_rows_and_statistics(prepared_dir):
+    manifest = read_json(prepared_dir / "manifest.json")
+    ds = datasets.load_from_disk(str(prepared_dir))
+    counts = manifest["counts"]
+    assert counts["rows"] == len(ds) and counts["rows"] + sum(counts["dropped"].values()) == ROWS
+    assert counts["total_tokens"] == sum(ds["seq_len"])
+    assert counts["assistant_tokens"] == sum(sum(m) for m in ds["loss_mask"])
+    for row in ds:
+        assert len(row["input_ids"]) == len(row["loss_mask"]) == row["seq_len"] <= SEQ
+        assert 0 < sum(row["loss_mask"]) < row["seq_len"]
+    assert manifest["inputs"]["tokenizer_hash"] and manifest["versions"]["transformers"]
+
+
+def test_killed_run_rerun_gives_the_same_output(tmp_path, prepared_dir):
+    args = [sys.executable, os.path.join(ROOT, "01_prepare_dataset.py"), "--data-dir", str(tmp_path),
+            "--num-samples", str(ROWS), "--max-seq-len", str(SEQ)]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:  # kill it while it tokenizes
+        if "preparing rows" in line:
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait()
+    out = tmp_path / "prepared" / f"rows_0-{ROWS}"
+    assert not (out / "manifest.json").exists()  # nothing that looks complete
+    stage("01_prepare_dataset.py", "--data-dir", tmp_path, "--num-samples", ROWS, "--max-seq-len", SEQ)
+    assert datasets.load_from_disk(str(out)).to_dict() == datasets.load_from_disk(str(prepared_dir)).to_dict()
+    assert sorted(os.listdir(tmp_path / "prepared")) == [f"rows_0-{ROWS}"]  # no temporary leftovers
+
+
+def test_rows_range_selects_a_shard(tmp_path, prepared_dir):
+    stage("01_prepare_dataset.py", "--data-dir", tmp_path, "--rows", "10-20", "--max-seq-len", SEQ)
+    shard = datasets.load_from_disk(str(tmp_path / "prepared" / "rows_10-20"))
+    full = datasets.load_from_disk(str(prepared_dir))
+    ids = set(shard["conversation_id"])
+    assert ids and ids <= set(full["conversation_id"])  # the same shuffle, a sub-range
+    assert len(shard) <= 10
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text("\n".join(json.dumps({"text": f"row {i}"}) for i in range(5)))
+    cases = [
+        (["--dataset", str(tmp_path / "missing.jsonl")], "not found"),
+        (["--dataset", str(empty)], "no conversations"),
+        (["--dataset", str(odd)], "unknown_shape"),
+        (["--rows", "0-99999999"], "only"),
+        (["--rows", "20-10"], "A < B"),
+        (["--max-seq-len", "0"], "--max-seq-len"),
+    ]
+    for args, words in cases:
+        proc = stage("01_prepare_dataset.py", "--data-dir", tmp_path / "d", *args, check=False)
+        assert_user_error(proc, words)
+    assert not (tmp_path / "d" / "prepared").exists() or not any(
+        (p / "manifest.json").exists() for p in (tmp_path / "d" / "prepared").iterdir())
+
+
+def test_config_file_under_command_line(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("max_seq_len: 100\nprepare:\n  num_samples: 6\n  seed: 3\n")
+    stage("01_prepare_dataset.py", "--config", cfg, "--data-dir", tmp_path, "--seed", 4)
+    flags = read_json(tmp_path / "prepared" / "rows_0-6" / "manifest.json")["flags"]
+    assert (flags["max_seq_len"], flags["num_samples"], flags["seed"]) == (100, 6, 4)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("prepare:\n  no_such_flag: 1\n")
+    assert_user_error(stage("01_prepare_dataset.py", "--config", bad, check=False), "no_such_flag")

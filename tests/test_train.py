@@ -1,0 +1,100 @@
+"""Stage 04 on real extracted rows of the real verifier."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, TRAIN_ARGS, assert_user_error, read_json, stage
+
+
+def records(out, split):
+    return [json.loads(line) for line in open(out / "metrics.jsonl") if json.loads(line)["split"] == split]
+
+
+def test_loss_falls_and_checkpoints_are_complete(trained):
+    train = records(trained, "train")
+    assert len(train) >= 4
+    assert train[-1]["loss"] < 0.8 * train[0]["loss"]
+    val = records(trained, "val")
+    assert len(val) == 4 and val[-1]["acc_pos"][0] > val[0]["acc_pos"][0] * 0.9
+    ckpts = trained / "checkpoints"
+    assert sorted(os.listdir(ckpts)) == ["best", "epoch_1", "epoch_2", "epoch_3", "epoch_4", "latest"]
+    assert os.readlink(ckpts / "latest") == "epoch_4"
+    best = min(val, key=lambda r: r["loss"])["epoch"]
+    assert os.readlink(ckpts / "best") == f"epoch_{best}"
+    assert (trained / "training.png").stat().st_size > 10_000
+
+
+def test_checkpoint_is_speculators_eagle3_and_reloads(trained, data_dir, hs_dir):
+    import numpy as np
+
+    from common.draft import load_draft
+    ckpt = trained / "checkpoints" / "latest"
+    cfg = read_json(ckpt / "config.json")
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == read_json(hs_dir / "manifest.json")["aux_layers"] == [2, 15, 27]
+    weights = load_file(ckpt / "model.safetensors")
+    assert np.array_equal(weights["d2t"].numpy(), np.load(data_dir / "vocab_mapping" / "d2t.npy"))
+    assert np.array_equal(weights["t2d"].numpy(), np.load(data_dir / "vocab_mapping" / "t2d.npy"))
+    assert "verifier_lm_head.weight" not in weights
+    model = load_draft(str(ckpt))
+    state = torch.load(ckpt / "training_state.pt", weights_only=False)["model"]
+    for name, value in state.items():  # the servable bf16 copy is the trained weights, rounded
+        torch.testing.assert_close(model.state_dict()[name].float(), value.bfloat16().float())
+
+
+def test_killed_after_a_checkpoint_and_resumed_matches_uninterrupted(tmp_path, data_dir, trained):
+    out = tmp_path / "run"
+    args = [sys.executable, os.path.join(ROOT, "04_train.py"), "--data-dir", str(data_dir), "--output-dir", str(out),
+            *map(str, TRAIN_ARGS)]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while proc.poll() is None and not (out / "checkpoints" / "epoch_2").exists():
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "checkpoints" / "epoch_4").exists()
+    stage("04_train.py", *args[2:], "--resume")
+    final = torch.load(out / "checkpoints" / "epoch_4" / "training_state.pt", weights_only=False)
+    reference = torch.load(trained / "checkpoints" / "epoch_4" / "training_state.pt", weights_only=False)
+    assert final["step"] == reference["step"]
+    for name in reference["model"]:
+        torch.testing.assert_close(final["model"][name], reference["model"][name], rtol=1e-4, atol=1e-5)
+    # resuming with another TTT depth is refused
+    proc = stage("04_train.py", *args[2:], "--resume", "--ttt-steps", 2, check=False)
+    assert_user_error(proc, "new --output-dir")
+
+
+def test_noise_touches_training_rows_only(tmp_path, data_dir):
+    runs = {}
+    for noise in (0.0, 20.0):
+        out = tmp_path / f"noise_{noise}"
+        stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--max-steps", 1, "--lr", 1e-12,
+              "--log-every", 1, "--num-workers", 0, "--val-ratio", 0.2, "--max-seq-len", 1024)
+        runs[noise] = (records(out, "train")[0], records(out, "val")[0])
+    (train_clean, val_clean), (train_noisy, val_noisy) = runs[0.0], runs[20.0]
+    assert train_noisy["loss"] != train_clean["loss"]
+    assert abs(val_noisy["loss"] - val_clean["loss"]) < 1e-6 * max(1.0, val_clean["loss"])
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path, data_dir, hs_dir, other_verifier):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    stage("02_build_vocab_mapping.py", "--data-dir", data_dir, "--verifier-path", other_verifier,
+          "--output-dir", tmp_path / "vm_other")
+    common = ["--output-dir", tmp_path / "out", "--max-steps", 1]
+    cases = [
+        (["--data-dir", data_dir, "--verifier-path", other_verifier,
+          "--vocab-mapping-dir", tmp_path / "vm_other"], "another verifier"),
+        (["--data-dir", data_dir, "--vocab-mapping-dir", tmp_path / "vm_other"], "49280"),
+        (["--data-dir", empty, "--vocab-mapping-dir", data_dir / "vocab_mapping"], "no hidden_states"),
+        (["--data-dir", data_dir, "--val-ratio", 0.999], "no training rows"),
+        (["--data-dir", data_dir, "--scheduler", "step"], "invalid choice"),
+    ]
+    for args, words in cases:
+        assert_user_error(stage("04_train.py", *common, *args, check=False), words)
