@@ -90,7 +90,7 @@ def extract_folder(args, prepared, verifier, text_config, aux, tok_hash):
                         "free space, choose another --data-dir, or pass --force")
     start = time.time()
     if todo:
-        writer = RowWriter(args.writer_threads)
+        writer = RowWriter(args.writer_threads, capacity=args.max_tokens_per_batch * n_slots * hidden)
         done_tokens = {"n": 0}
         progress = Progress(len(todo), "rows", extra=lambda: (
             f"{done_tokens['n'] / max(time.time() - start, 1e-9):,.0f} tok/s {writer.bytes / 1e9:.2f} GB written"))
@@ -153,7 +153,7 @@ def run(args):
     log.info(f"verifier {verifier}: {n} layers, hidden {text_config.hidden_size}; aux layers {aux} + final layer {n}")
     dtype = args.dtype or ("bfloat16" if args.device != "cpu" else "float32")
     if args.backend == "transformers":
-        args._backend = TransformersBackend(verifier, aux, n, dtype, args.device, args.trust_remote_code)
+        args._backend = TransformersBackend.load(verifier, aux, n, dtype, args.device, args.trust_remote_code)
         args._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     else:
         from common.vllm_extract import VllmBackend

@@ -5,6 +5,7 @@ FileTransfer reads it): `token_ids` [L] int64, `hidden_states` [L, n_aux+1, H] b
 order, then the last decoder layer's output before the final norm), `loss_mask` [L] int64.
 """
 import os
+import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -61,17 +62,40 @@ def save_row(path: str, token_ids, states: torch.Tensor, loss_mask) -> int:
 
 
 class RowWriter:
-    """Writes rows on background threads so disk time overlaps compute; at most `max_pending` batches queued."""
+    """Writes rows on background threads so disk time overlaps compute.
 
-    def __init__(self, threads: int = 4, max_pending: int = 3):
+    On a GPU, states travel to the host through a ring of reusable pinned buffers: the copy is
+    asynchronous, and a buffer returns to the ring when its rows are on disk, which also bounds the
+    host memory in flight to `buffers` batches.
+    """
+
+    def __init__(self, threads: int = 4, buffers: int = 3, capacity: int = 0):
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="hs-write")
-        self.slots = threading.Semaphore(max_pending)
+        self.free: queue.Queue = queue.Queue()
+        self.n_buffers, self.made, self.capacity = buffers, 0, capacity  # capacity: elements per buffer
+        self.slots = threading.Semaphore(buffers)
         self.bytes = 0
         self.lock = threading.Lock()
         self.errors: list[BaseException] = []
 
-    def submit(self, jobs: list[tuple], ready=None, on_done=None) -> None:
-        """jobs: (path, token_ids, states, loss_mask); `ready` (a CUDA event) is awaited before writing."""
+    def to_host(self, states: torch.Tensor):
+        """Start copying device states into a pinned buffer; returns (host view, buffer, ready event)."""
+        if self.made < self.n_buffers and self.free.empty():
+            buf = torch.empty(max(self.capacity, states.numel()), dtype=states.dtype, pin_memory=True)
+            self.made += 1
+        else:
+            buf = self.free.get()  # waits for a write to finish: bounds host memory in flight
+        if buf.numel() < states.numel():
+            buf = torch.empty(states.numel(), dtype=states.dtype, pin_memory=True)
+        host = buf[: states.numel()].view(states.shape)
+        host.copy_(states, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, buf, ready
+
+    def submit(self, jobs: list[tuple], ready=None, on_done=None, buffer=None) -> None:
+        """jobs: (path, token_ids, states, loss_mask); `ready` (a CUDA event) is awaited before writing;
+        `buffer` goes back to the pinned ring once the rows are written."""
         self.slots.acquire()
 
         def write():
@@ -85,6 +109,8 @@ class RowWriter:
         future: Future = self.pool.submit(write)
 
         def done(f):
+            if buffer is not None:
+                self.free.put(buffer)
             self.slots.release()
             if f.exception():
                 self.errors.append(f.exception())
@@ -116,23 +142,25 @@ class TransformersBackend:
     layer's output, before the final norm (a forward hook).
     """
 
-    def __init__(self, verifier: str, aux_layers: list[int], num_layers: int, dtype: str, device: str,
-                 trust_remote_code: bool = False):
-        from transformers import AutoModel
-        self.device = torch.device(device)
-        torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
-        kwargs = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
-        if device == "auto":  # spread over all visible GPUs: models that do not fit one
-            kwargs["device_map"] = "auto"
-            self.device = torch.device("cuda:0")
-        self.model = AutoModel.from_pretrained(verifier, **kwargs).eval()
-        if device != "auto":
-            self.model.to(self.device)
+    def __init__(self, model, aux_layers: list[int], num_layers: int, device: torch.device):
+        self.model, self.device = model.eval(), device
         layers = decoder_layers(self.model, num_layers)
         self.captured: list = [None] * (len(aux_layers) + 1)
         for slot, k in enumerate(aux_layers):
             layers[k].register_forward_pre_hook(self._pre_hook(slot), with_kwargs=True)
         layers[num_layers - 1].register_forward_hook(self._post_hook(len(aux_layers)))
+
+    @classmethod
+    def load(cls, verifier: str, aux_layers: list[int], num_layers: int, dtype: str, device: str,
+             trust_remote_code: bool = False) -> "TransformersBackend":
+        """The base model without its lm_head (its logits are never needed)."""
+        from transformers import AutoModel
+        kwargs = {"dtype": getattr(torch, dtype), "trust_remote_code": trust_remote_code}
+        if device == "auto":  # spread over all visible GPUs: models that do not fit one
+            model = AutoModel.from_pretrained(verifier, device_map="auto", **kwargs)
+            return cls(model, aux_layers, num_layers, torch.device("cuda:0"))
+        model = AutoModel.from_pretrained(verifier, **kwargs).to(device)
+        return cls(model, aux_layers, num_layers, torch.device(device))
 
     def _pre_hook(self, slot):
         def hook(_module, args, kwargs):
@@ -187,13 +215,9 @@ def extract_transformers(backend: TransformersBackend, batches, rows: dict, todo
                 torch.cuda.empty_cache()
             queue[:0] = [batch[: len(batch) // 2], batch[len(batch) // 2:]]
             continue
-        ready = None
+        ready = buffer = None
         if on_gpu:
-            host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
-            host.copy_(states, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-            states = host
+            states, buffer, ready = writer.to_host(states)
         jobs = [(row_file(out, i), rows[i]["input_ids"], states[b, : len(rows[i]["input_ids"])], rows[i]["loss_mask"])
                 for b, i in enumerate(batch) if i in todo]
-        writer.submit(jobs, ready, on_done)
+        writer.submit(jobs, ready, on_done, buffer)

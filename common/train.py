@@ -110,6 +110,7 @@ def summarize(sums: dict, ttt_steps: int) -> dict:
     """Loss and accuracy per TTT position from summed speculators metrics; `acc` is the share of
     positions whose draft tokens up to that position are all right, so 1 + sum(acc) estimates the
     acceptance length."""
+    sums = {k: float(v) for k, v in sums.items()}
     out = {"loss": sums["loss_sum"] / max(sums["loss_total"], 1e-9)}
     out["loss_pos"] = [sums[f"loss_{s}_sum"] / max(sums[f"loss_{s}_total"], 1e-9) for s in range(ttt_steps)]
     out["acc_pos"] = [sums[f"full_acc_{s}_sum"] / max(sums[f"full_acc_{s}_total"], 1e-9) for s in range(ttt_steps)]
@@ -118,8 +119,9 @@ def summarize(sums: dict, ttt_steps: int) -> dict:
 
 
 def add_metrics(sums: dict, metrics: dict) -> None:
+    """Accumulate on the device: reading a value each step would stall the GPU pipeline."""
     for k, v in metrics.items():
-        sums[k] = sums.get(k, 0.0) + float(v)
+        sums[k] = sums.get(k, 0.0) + v.detach()
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -198,7 +200,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     from speculators.losses import resolve_loss_config
     loss_config = resolve_loss_config(args.loss, args.loss_implementation if on_gpu else "eager")
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=on_gpu)
     fingerprint = run_fingerprint(args, aux, verifier_hash, draft_vocab)
     n_params = sum(p.numel() for p in params)
     if rank == 0:

@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Stage 04 against speculators' own Trainer on the same data and draft config, side by side in one run.
+
+  python bench/bench_train.py --shape llama-3.1-8b --rows 64 --seq-len 2048 --steps 60 --work /tmp/bt
+
+Builds a random verifier of a real shape (only what the draft reads: config, embedding, lm_head,
+final norm) and random hidden states of real shapes in the pipeline's formats, then trains:
+  ours          04_train.py (eager forward)
+  ours+compile  04_train.py --compile
+  speculators   speculators.train.trainer.Trainer with its own ArrowDataset/FileTransfer loader,
+                shift_batch, packing sampler and (on CUDA) its torch.compile'd forward
+each in its own process, and prints tokens/s, the ratio, MFU, peak memory and the time from launch
+to the first step. Both use sdpa attention and the eager loss (the fused loss fails inside
+torch.compile on torch 2.11). Speed does not depend on weight values.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
+
+
+def make_inputs(work: str, shape: str, rows: int, seq_len: int, draft_vocab: int) -> None:
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    from bench_extract import SHAPES
+    from common.extract import save_row
+    from common.manifest import atomic_write_json
+    from common.verifier import default_aux_layers, verifier_fingerprint
+    if os.path.exists(os.path.join(work, "ready")):
+        return
+    config = LlamaConfig(**{**SHAPES[shape], "tie_word_embeddings": False})
+    H, V = config.hidden_size, config.vocab_size
+    verifier = os.path.join(work, "verifier")
+    os.makedirs(verifier, exist_ok=True)
+    config.save_pretrained(verifier)
+    g = torch.Generator().manual_seed(0)
+    save_file({"model.embed_tokens.weight": torch.randn(V, H, generator=g, dtype=torch.float32).bfloat16() * 0.02,
+               "lm_head.weight": torch.randn(V, H, generator=g).bfloat16() * 0.02,
+               "model.norm.weight": torch.ones(H, dtype=torch.bfloat16)}, os.path.join(verifier, "model.safetensors"))
+    import datasets
+    ids = [torch.randint(0, V, (seq_len,), generator=g).tolist() for _ in range(rows)]
+    prepared = os.path.join(work, "data", "prepared", f"rows_0-{rows}")
+    datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[1] * seq_len] * rows,
+                                "seq_len": [seq_len] * rows, "conversation_id": list(range(rows))}).save_to_disk(prepared)
+    aux = default_aux_layers(config.num_hidden_layers)
+    hs = os.path.join(work, "data", "hidden_states", f"rows_0-{rows}")
+    os.makedirs(hs, exist_ok=True)
+    for i in range(rows):
+        save_row(os.path.join(hs, f"hs_{i}.safetensors"), ids[i],
+                 torch.randn(seq_len, len(aux) + 1, H, generator=g).bfloat16(), [1] * seq_len)
+    inputs = {"tokenizer_hash": "bench", "verifier_hash": verifier_fingerprint(config), "prepared_dir": prepared}
+    atomic_write_json(os.path.join(prepared, "manifest.json"), {"stage": "prepare", "inputs": inputs})
+    atomic_write_json(os.path.join(hs, "manifest.json"), {
+        "stage": "hidden_states", "inputs": inputs, "aux_layers": aux, "final_layer": config.num_hidden_layers,
+        "hidden_size": H, "num_hidden_layers": config.num_hidden_layers})
+    vm = os.path.join(work, "data", "vocab_mapping")
+    os.makedirs(vm, exist_ok=True)
+    chosen = np.sort(np.random.default_rng(0).choice(V, draft_vocab, replace=False))
+    t2d = np.zeros(V, dtype=bool)
+    t2d[chosen] = True
+    np.save(os.path.join(vm, "d2t.npy"), (chosen - np.arange(draft_vocab)).astype(np.int64))
+    np.save(os.path.join(vm, "t2d.npy"), t2d)
+    atomic_write_json(os.path.join(vm, "manifest.json"), {"stage": "vocab_mapping", "inputs": inputs})
+    open(os.path.join(work, "ready"), "w").close()
+
+
+def run_ours(work: str, args, compile_: bool) -> dict:
+    out = os.path.join(work, "out_compile" if compile_ else "out_eager")
+    subprocess.run(["rm", "-rf", out])
+    cmd = [sys.executable, os.path.join(ROOT, "04_train.py"), "--verifier-path", os.path.join(work, "verifier"),
+           "--data-dir", os.path.join(work, "data"), "--output-dir", out, "--max-steps", str(args.steps),
+           "--epochs", "1000", "--max-seq-len", str(args.seq_len), "--ttt-steps", "3", "--val-ratio", "0",
+           "--log-every", "10", "--num-workers", "4", "--attn-impl", "sdpa", "--loss-implementation", "eager",
+           "--lr", "1e-4"] + (["--compile"] if compile_ else [])
+    start = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
+    log = proc.stdout
+    first = re.search(r"^(\S+ \S+) .*first step done", log, re.M)
+    launch_first = (time.mktime(time.strptime(first.group(1), "%Y-%m-%d %H:%M:%S")) - start) if first else None
+    records = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"train"' in x]
+    steady = records[2:] or records
+    mem = re.findall(r"gpu_peak ([\d.]+)GB", log)
+    return {"tokens_per_s": sum(r["tokens_per_s"] for r in steady) / len(steady),
+            "launch_to_first_step_s": launch_first, "peak_gpu_GB": float(mem[-1]) if mem else None}
+
+
+def speculators_worker(work: str, steps: int, seq_len: int, result_path: str) -> None:
+    """speculators' own training path, untouched (run in a fresh process)."""
+    launch = time.time()
+    import torch
+    from transformers import AutoConfig
+
+    from hs_connectors import FileTransfer
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import ArrowDataset
+    from speculators.train.dataloader import _setup_dataloader
+    from speculators.train.cli import create_transformer_layer_config
+    from speculators.train.trainer import Trainer, TrainerConfig
+    import numpy as np
+    verifier = os.path.join(work, "verifier")
+    vm = os.path.join(work, "data", "vocab_mapping")
+    t2d, d2t = torch.from_numpy(np.load(os.path.join(vm, "t2d.npy"))), torch.from_numpy(np.load(os.path.join(vm, "d2t.npy")))
+    layer_config = create_transformer_layer_config(verifier, 1, "llama", None, 0, [0])
+    model = Eagle3DraftModel.from_training_args(
+        layer_config, t2d=t2d, d2t=d2t, verifier_name_or_path=verifier, draft_vocab_size=int(d2t.numel()),
+        norm_before_residual=True, ttt_steps=3, draft_attn_impl="sdpa")
+    rows = [d for d in os.listdir(os.path.join(work, "data", "prepared"))][0]
+    dataset = ArrowDataset(max_len=seq_len, datapath=os.path.join(work, "data", "prepared", rows),
+                           transfer=FileTransfer(__import__("pathlib").Path(work, "data", "hidden_states", rows)),
+                           on_missing="raise")
+    H = AutoConfig.from_pretrained(verifier).hidden_size
+    loader = _setup_dataloader(dataset, seq_len, H, num_workers=4, num_target_layers=3, preprocess=shift_batch)
+    train_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(loss_fn="kl_div", loss_implementation="eager",
+                                                          ttt_steps=3, ttt_step_loss_decay=1.0)
+    trainer = Trainer(model, TrainerConfig(lr=1e-4, num_epochs=1000, save_path=os.path.join(work, "spec_out"),
+                                           train_call_kwargs=train_kwargs, max_steps=steps, log_freq=10), loader)
+    stamps = []
+
+    def on_step():
+        torch.cuda.synchronize()
+        stamps.append(time.time())
+    loop_start = time.time()
+    epoch = 0
+    while trainer.global_step < steps:
+        trainer.train_epoch(epoch, step_callback=on_step)
+        epoch += 1
+    tokens = seq_len - 1  # one packed sequence per step (rows of seq_len, shifted by one)
+    skip = min(20, len(stamps) // 3)
+    with open(result_path, "w") as f:
+        json.dump({"tokens_per_s": tokens * (len(stamps) - 1 - skip) / (stamps[-1] - stamps[skip]),
+                   "launch_to_first_step_s": stamps[0] - launch, "loop_to_first_step_s": stamps[0] - loop_start,
+                   "peak_gpu_GB": torch.cuda.max_memory_allocated() / 1e9}, f)
+
+
+def draft_flops_per_token(work: str, draft_vocab: int) -> float:
+    """6 x (trainable + frozen draft lm_head) parameters per TTT step, plus the verifier head's forward."""
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(os.path.join(work, "verifier"))
+    H, I = c.hidden_size, c.intermediate_size
+    kv = c.num_key_value_heads * (H // c.num_attention_heads)
+    layer = 2 * H * H + 2 * (2 * H * kv) + H * H + 3 * H * I  # q from 2H, k/v from 2H, o, mlp
+    fc = 3 * H * H
+    head = draft_vocab * H
+    return 3 * 6 * (layer + fc + head) + 2 * head
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama-3.1-8b")
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--draft-vocab", type=int, default=32000)
+    p.add_argument("--work", default="/tmp/bench_train")
+    p.add_argument("--only", choices=["ours", "ours+compile", "speculators"], nargs="+",
+                   default=["ours", "ours+compile", "speculators"])
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--speculators-worker", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.speculators_worker:
+        return speculators_worker(args.work, args.steps, args.seq_len, args.speculators_worker)
+    make_inputs(args.work, args.shape, args.rows, args.seq_len, args.draft_vocab)
+    results = {}
+    for name in args.only:
+        if name == "speculators":
+            path = os.path.join(args.work, "spec_result.json")
+            proc = subprocess.run([sys.executable, __file__, "--speculators-worker", path, "--work", args.work,
+                                   "--steps", str(args.steps), "--seq-len", str(args.seq_len)],
+                                  capture_output=True, text=True)
+            if proc.returncode:
+                print(proc.stdout[-3000:], proc.stderr[-3000:])
+                continue
+            results[name] = json.load(open(path))
+        else:
+            results[name] = run_ours(args.work, args, compile_=name == "ours+compile")
+        print(name, results[name], flush=True)
+    flops = draft_flops_per_token(args.work, args.draft_vocab)
+    base = results.get("speculators", {}).get("tokens_per_s")
+    print(f"\n{args.shape} draft, {args.seq_len}-token packed sequences, 3 TTT steps, {args.steps} steps")
+    print(f"{'run':14s} {'tokens/s':>10s} {'vs spec':>8s} {'MFU':>6s} {'peak GB':>8s} {'first step':>10s}")
+    for name, r in results.items():
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        first = f"{r['launch_to_first_step_s']:.1f}s" if r.get("launch_to_first_step_s") is not None else "-"
+        print(f"{name:14s} {r['tokens_per_s']:10,.0f} {ratio:>8s} {r['tokens_per_s'] * flops / PEAK_BF16:6.1%} "
+              f"{r['peak_gpu_GB'] or 0:8.1f} {first:>10s}")
+        r["mfu"] = r["tokens_per_s"] * flops / PEAK_BF16
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": args.shape, "seq_len": args.seq_len, "steps": args.steps, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
