@@ -69,7 +69,9 @@ def run(args):
               "max_row_tokens": max(r["seq_len"] for r in rows)}
     out = os.path.join(args.data_dir, "prepared", f"rows_{a}-{b}")
     with atomic_dir(out) as tmp:
-        datasets.Dataset.from_list(rows).save_to_disk(tmp)
+        ds = datasets.Dataset.from_list(rows)
+        ds.set_format("torch")  # as speculators' prepare-data saves it, so `speculators train` reads it too
+        ds.save_to_disk(tmp)
         write_manifest(tmp, "prepare", args, wall_s=time.time() - start, counts=counts,
                        inputs={"dataset": args.dataset, "verifier_path": verifier,
                                "tokenizer_hash": tokenizer_fingerprint(tokenizer),

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
+from common.data import load_prepared
 from common.log import log
 from common.manifest import atomic_dir, find_stage_dirs, manifest_hash, read_manifest, write_manifest
 from common.verifier import load_text_config, load_tokenizer, resolve_verifier, tokenizer_fingerprint
@@ -38,8 +39,7 @@ def run(args):
         if read_manifest(folder, "prepare")["inputs"]["tokenizer_hash"] != tok_hash:
             raise UserError(f"{folder} was tokenized with another tokenizer than {verifier}'s; "
                             "rerun 01_prepare_dataset.py with this --verifier-path")
-    import datasets
-    freq = count_assistant_tokens([datasets.load_from_disk(f) for f in folders], target_vocab)
+    freq = count_assistant_tokens([load_prepared(f) for f in folders], target_vocab)
     if args.draft_vocab_size >= target_vocab:
         log.warning(f"--draft-vocab-size {args.draft_vocab_size} >= the verifier's vocabulary {target_vocab}: "
                     f"the draft keeps the whole vocabulary ({target_vocab} tokens, d2t all zeros)")

@@ -9,6 +9,7 @@ import time
 import torch
 
 from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
+from common.data import load_prepared
 from common.extract import RowWriter, TransformersBackend, extract_transformers, file_is_valid, plan_batches, row_file
 from common.log import Progress, log
 from common.manifest import atomic_write_json, find_stage_dirs, manifest_hash, read_manifest, write_manifest
@@ -63,7 +64,6 @@ def scan_existing(out, rows, n_slots, hidden_size) -> tuple[list[int], int]:
 
 
 def extract_folder(args, prepared, verifier, text_config, aux, tok_hash):
-    import datasets
     out = os.path.join(args.data_dir, "hidden_states", os.path.basename(prepared.rstrip("/")))
     os.makedirs(out, exist_ok=True)
     config = extract_config(args, verifier, text_config, aux)
@@ -75,7 +75,7 @@ def extract_folder(args, prepared, verifier, text_config, aux, tok_hash):
             raise UserError(f"{out} holds states of another verifier or other layers ({old['aux_layers']}); "
                             "delete it or choose another --data-dir")
     atomic_write_json(cfg_path, config)
-    ds = datasets.load_from_disk(prepared)
+    ds = load_prepared(prepared)
     rows = {i: {"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for i, r in enumerate(ds)}
     n_slots, hidden = len(aux) + 1, text_config.hidden_size
     todo, corrupt = scan_existing(out, rows, n_slots, hidden)

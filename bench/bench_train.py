@@ -51,8 +51,10 @@ def make_inputs(work: str, shape: str, rows: int, seq_len: int, draft_vocab: int
     import datasets
     ids = [torch.randint(0, V, (seq_len,), generator=g).tolist() for _ in range(rows)]
     prepared = os.path.join(work, "data", "prepared", f"rows_0-{rows}")
-    datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[1] * seq_len] * rows,
-                                "seq_len": [seq_len] * rows, "conversation_id": list(range(rows))}).save_to_disk(prepared)
+    ds = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[1] * seq_len] * rows,
+                                     "seq_len": [seq_len] * rows, "conversation_id": list(range(rows))})
+    ds.set_format("torch")  # as stage 01 and speculators' prepare-data save it
+    ds.save_to_disk(prepared)
     aux = default_aux_layers(config.num_hidden_layers)
     hs = os.path.join(work, "data", "hidden_states", f"rows_0-{rows}")
     os.makedirs(hs, exist_ok=True)
@@ -75,13 +77,14 @@ def make_inputs(work: str, shape: str, rows: int, seq_len: int, draft_vocab: int
     open(os.path.join(work, "ready"), "w").close()
 
 
-def run_ours(work: str, args, compile_: bool) -> dict:
-    out = os.path.join(work, "out_compile" if compile_ else "out_eager")
+def run_ours(work: str, args, variant: str) -> dict:
+    compile_, attn = "compile" in variant, "simple_flex_attention" if "flex" in variant else "sdpa"
+    out = os.path.join(work, "out_" + variant.replace("+", "_"))
     subprocess.run(["rm", "-rf", out])
     cmd = [sys.executable, os.path.join(ROOT, "04_train.py"), "--verifier-path", os.path.join(work, "verifier"),
            "--data-dir", os.path.join(work, "data"), "--output-dir", out, "--max-steps", str(args.steps),
            "--epochs", "1000", "--max-seq-len", str(args.seq_len), "--ttt-steps", "3", "--val-ratio", "0",
-           "--log-every", "10", "--num-workers", "4", "--attn-impl", "sdpa", "--loss-implementation", "eager",
+           "--log-every", "10", "--num-workers", str(args.num_workers), "--attn-impl", attn, "--loss-implementation", "eager",
            "--lr", "1e-4"] + (["--compile"] if compile_ else [])
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -166,8 +169,9 @@ def main():
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--draft-vocab", type=int, default=32000)
     p.add_argument("--work", default="/tmp/bench_train")
-    p.add_argument("--only", choices=["ours", "ours+compile", "speculators"], nargs="+",
-                   default=["ours", "ours+compile", "speculators"])
+    p.add_argument("--only", choices=["ours", "ours+compile", "ours+compile+flex", "speculators"], nargs="+",
+                   default=["ours", "ours+compile", "ours+compile+flex", "speculators"])
+    p.add_argument("--num-workers", type=int, default=4, help="data loader workers for our runs")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--speculators-worker", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -186,16 +190,16 @@ def main():
                 continue
             results[name] = json.load(open(path))
         else:
-            results[name] = run_ours(args.work, args, compile_=name == "ours+compile")
+            results[name] = run_ours(args.work, args, name)
         print(name, results[name], flush=True)
     flops = draft_flops_per_token(args.work, args.draft_vocab)
     base = results.get("speculators", {}).get("tokens_per_s")
     print(f"\n{args.shape} draft, {args.seq_len}-token packed sequences, 3 TTT steps, {args.steps} steps")
-    print(f"{'run':14s} {'tokens/s':>10s} {'vs spec':>8s} {'MFU':>6s} {'peak GB':>8s} {'first step':>10s}")
+    print(f"{'run':18s} {'tokens/s':>10s} {'vs spec':>8s} {'MFU':>6s} {'peak GB':>8s} {'first step':>10s}")
     for name, r in results.items():
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         first = f"{r['launch_to_first_step_s']:.1f}s" if r.get("launch_to_first_step_s") is not None else "-"
-        print(f"{name:14s} {r['tokens_per_s']:10,.0f} {ratio:>8s} {r['tokens_per_s'] * flops / PEAK_BF16:6.1%} "
+        print(f"{name:18s} {r['tokens_per_s']:10,.0f} {ratio:>8s} {r['tokens_per_s'] * flops / PEAK_BF16:6.1%} "
               f"{r['peak_gpu_GB'] or 0:8.1f} {first:>10s}")
         r["mfu"] = r["tokens_per_s"] * flops / PEAK_BF16
     if args.json:

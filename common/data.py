@@ -130,6 +130,12 @@ def tokenize_with_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list
     return enc["input_ids"], mask
 
 
+def load_prepared(folder: str):
+    """Prepared rows as plain Python lists (the folder keeps speculators' torch format for its readers)."""
+    import datasets
+    return datasets.load_from_disk(folder).with_format(None)
+
+
 def prepare_rows(tokenizer, records: list, max_seq_len: int, on_row=None):
     """Yield row dicts and count drops by reason. `on_row` is called once per record (progress)."""
     dropped = Counter()

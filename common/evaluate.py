@@ -11,7 +11,7 @@ import time
 import torch
 
 from common.cli import UserError
-from common.data import load_records, normalize
+from common.data import load_prepared, load_records, normalize
 from common.log import log
 from common.manifest import MANIFEST
 
@@ -24,8 +24,7 @@ def used_conversations(data_dir: str) -> set:
     prepared = os.path.join(data_dir, "prepared")
     for folder in os.listdir(prepared) if os.path.isdir(prepared) else []:
         if os.path.exists(os.path.join(prepared, folder, MANIFEST)):
-            import datasets
-            used.update(datasets.load_from_disk(os.path.join(prepared, folder))["conversation_id"])
+            used.update(load_prepared(os.path.join(prepared, folder))["conversation_id"])
     return used
 
 

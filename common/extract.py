@@ -69,28 +69,32 @@ class RowWriter:
     host memory in flight to `buffers` batches.
     """
 
-    def __init__(self, threads: int = 4, buffers: int = 3, capacity: int = 0):
+    def __init__(self, threads: int = 4, buffers: int = 3, capacity: int = 0, dtype=torch.bfloat16):
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="hs-write")
         self.free: queue.Queue = queue.Queue()
-        self.n_buffers, self.made, self.capacity = buffers, 0, capacity  # capacity: elements per buffer
         self.slots = threading.Semaphore(buffers)
         self.bytes = 0
         self.lock = threading.Lock()
         self.errors: list[BaseException] = []
+        self.copy_stream = None
+        if capacity and torch.cuda.is_available():  # pinning is slow: do it once, up front
+            for _ in range(buffers):
+                self.free.put(torch.empty(capacity, dtype=dtype, pin_memory=True))
+            self.copy_stream = torch.cuda.Stream()
 
     def to_host(self, states: torch.Tensor):
-        """Start copying device states into a pinned buffer; returns (host view, buffer, ready event)."""
-        if self.made < self.n_buffers and self.free.empty():
-            buf = torch.empty(max(self.capacity, states.numel()), dtype=states.dtype, pin_memory=True)
-            self.made += 1
-        else:
-            buf = self.free.get()  # waits for a write to finish: bounds host memory in flight
+        """Copy device states into a free pinned buffer on a side stream, so the next forward runs
+        during the copy; returns (host view, buffer, ready event)."""
+        buf = self.free.get()  # waits for a write to finish: bounds host memory in flight
         if buf.numel() < states.numel():
             buf = torch.empty(states.numel(), dtype=states.dtype, pin_memory=True)
         host = buf[: states.numel()].view(states.shape)
-        host.copy_(states, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
+        self.copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.copy_stream):
+            host.copy_(states, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        states.record_stream(self.copy_stream)  # keep its memory until the copy is done
         return host, buf, ready
 
     def submit(self, jobs: list[tuple], ready=None, on_done=None, buffer=None) -> None:

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.cli import UserError
+from common.data import load_prepared
 from common.draft import build_draft, save_servable, trainable_state
 from common.extract import row_file
 from common.log import fmt_duration, log, memory_summary
@@ -56,10 +57,9 @@ def collect_rows(data_dirs, vocab_dir: str, verifier_hash: str, hidden_size: int
     tok_hashes = {m["inputs"]["tokenizer_hash"] for m in manifests}
     if tok_hashes != {vm["inputs"]["tokenizer_hash"]}:
         raise UserError(f"{vocab_dir} was built for another tokenizer than the hidden states; rerun 02_build_vocab_mapping.py")
-    import datasets
     files, lengths = [], []
     for folder, m in zip(folders, manifests):
-        for i, n in enumerate(datasets.load_from_disk(m["inputs"]["prepared_dir"])["seq_len"]):
+        for i, n in enumerate(load_prepared(m["inputs"]["prepared_dir"])["seq_len"]):
             files.append(row_file(folder, i))
             lengths.append(n - 1)  # after the one-token shift
     return files, lengths, aux, folders
@@ -196,6 +196,9 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     dataset = HiddenStatesRows(files, lengths)
     attn = args.attn_impl if args.attn_impl != "auto" else ("simple_flex_attention" if on_gpu else "sdpa")
     model = build_draft(verifier, aux, args.vocab_mapping_dir, args.ttt_steps, attn, args.trust_remote_code).to(device)
+    if on_gpu:  # frozen verifier pieces in bf16 once, rather than an autocast copy of them every step
+        for frozen in (model.embed_tokens, model.lm_head, model.verifier_lm_head, model.verifier_norm):
+            frozen.to(torch.bfloat16)
     draft_vocab = model.draft_vocab_size
     from speculators.losses import resolve_loss_config
     loss_config = resolve_loss_config(args.loss, args.loss_implementation if on_gpu else "eager")

@@ -5,11 +5,11 @@ import signal
 import subprocess
 import sys
 
-import datasets
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from common.data import load_prepared
 from conftest import ROOT, ROWS, assert_user_error, read_json, stage
 
 
@@ -19,7 +19,7 @@ def test_files_match_an_unbatched_forward(verifier, prepared_dir, hs_dir):
     manifest = read_json(hs_dir / "manifest.json")
     aux = manifest["aux_layers"]
     assert aux == [2, 15, 27] and manifest["final_layer"] == 30
-    ds = datasets.load_from_disk(str(prepared_dir))
+    ds = load_prepared(str(prepared_dir))
     lengths = ds["seq_len"]
     # the longest and the shortest row: batched with padding in the run, alone here
     for i in (lengths.index(max(lengths)), lengths.index(min(lengths))):

@@ -6,9 +6,9 @@ import subprocess
 import sys
 import time
 
-import datasets
 
 from common.data import load_records, normalize, tokenize_with_mask
+from common.data import load_prepared
 from conftest import ROOT, ROWS, SEQ, assert_user_error, read_json, stage
 
 
@@ -42,7 +42,7 @@ def test_openai_shape_and_messages_column_give_the_same_rows(tokenizer):
 
 def test_prepared_rows_and_statistics(prepared_dir):
     manifest = read_json(prepared_dir / "manifest.json")
-    ds = datasets.load_from_disk(str(prepared_dir))
+    ds = load_prepared(str(prepared_dir))
     counts = manifest["counts"]
     assert counts["rows"] == len(ds) and counts["rows"] + sum(counts["dropped"].values()) == ROWS
     assert counts["total_tokens"] == sum(ds["seq_len"])
@@ -66,14 +66,14 @@ def test_killed_run_rerun_gives_the_same_output(tmp_path, prepared_dir):
     out = tmp_path / "prepared" / f"rows_0-{ROWS}"
     assert not (out / "manifest.json").exists()  # nothing that looks complete
     stage("01_prepare_dataset.py", "--data-dir", tmp_path, "--num-samples", ROWS, "--max-seq-len", SEQ)
-    assert datasets.load_from_disk(str(out)).to_dict() == datasets.load_from_disk(str(prepared_dir)).to_dict()
+    assert load_prepared(str(out)).to_dict() == load_prepared(str(prepared_dir)).to_dict()
     assert sorted(os.listdir(tmp_path / "prepared")) == [f"rows_0-{ROWS}"]  # no temporary leftovers
 
 
 def test_rows_range_selects_a_shard(tmp_path, prepared_dir):
     stage("01_prepare_dataset.py", "--data-dir", tmp_path, "--rows", "10-20", "--max-seq-len", SEQ)
-    shard = datasets.load_from_disk(str(tmp_path / "prepared" / "rows_10-20"))
-    full = datasets.load_from_disk(str(prepared_dir))
+    shard = load_prepared(str(tmp_path / "prepared" / "rows_10-20"))
+    full = load_prepared(str(prepared_dir))
     ids = set(shard["conversation_id"])
     assert ids and ids <= set(full["conversation_id"])  # the same shuffle, a sub-range
     assert len(shard) <= 10

@@ -75,7 +75,7 @@ def test_noise_touches_training_rows_only(tmp_path, data_dir):
     for noise in (0.0, 20.0):
         out = tmp_path / f"noise_{noise}"
         stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--max-steps", 1, "--lr", 1e-12,
-              "--log-every", 1, "--num-workers", 0, "--val-ratio", 0.2, "--max-seq-len", 1024)
+              "--log-every", 1, "--num-workers", 0, "--val-ratio", 0.2, "--max-seq-len", 1024, "--noise-std", noise)
         runs[noise] = (records(out, "train")[0], records(out, "val")[0])
     (train_clean, val_clean), (train_noisy, val_noisy) = runs[0.0], runs[20.0]
     assert train_noisy["loss"] != train_clean["loss"]
