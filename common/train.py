@@ -194,7 +194,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     files, lengths, aux, folders = collect_rows(args.data_dir, args.vocab_mapping_dir, verifier_hash, hidden)
     train_idx, val_idx = split_rows(len(files), args.val_ratio, args.seed)
     dataset = HiddenStatesRows(files, lengths)
-    attn = args.attn_impl if args.attn_impl != "auto" else ("simple_flex_attention" if on_gpu else "sdpa")
+    attn = "sdpa" if args.attn_impl == "auto" else args.attn_impl  # sdpa measured faster than flex (docs/benchmarks.md)
     model = build_draft(verifier, aux, args.vocab_mapping_dir, args.ttt_steps, attn, args.trust_remote_code).to(device)
     if on_gpu:  # frozen verifier pieces in bf16 once, rather than an autocast copy of them every step
         for frozen in (model.embed_tokens, model.lm_head, model.verifier_lm_head, model.verifier_norm):
