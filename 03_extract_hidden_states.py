@@ -40,7 +40,7 @@ def build_parser():
     return p
 
 
-def extract_config(args, verifier, text_config, aux) -> dict:
+def extract_config(text_config, aux) -> dict:
     """What the files depend on; a resumed run must match it."""
     return {"verifier_hash": verifier_fingerprint(text_config), "aux_layers": aux,
             "final_layer": text_config.num_hidden_layers, "hidden_size": text_config.hidden_size}
@@ -66,7 +66,7 @@ def scan_existing(out, rows, n_slots, hidden_size) -> tuple[list[int], int]:
 def extract_folder(args, prepared, verifier, text_config, aux, tok_hash):
     out = os.path.join(args.data_dir, "hidden_states", os.path.basename(prepared.rstrip("/")))
     os.makedirs(out, exist_ok=True)
-    config = extract_config(args, verifier, text_config, aux)
+    config = extract_config(text_config, aux)
     cfg_path = os.path.join(out, "extract_config.json")
     if os.path.exists(cfg_path):
         with open(cfg_path) as f:

@@ -47,9 +47,7 @@ def load_prompts(source: str, data_dir: str, num_prompts: int, max_turns: int, s
         elif isinstance(record, str):
             turns = [record]
         else:
-            messages = normalize(record)
-            if isinstance(messages, str):
-                messages = normalize({"messages": record}) if isinstance(record, list) else messages
+            messages = normalize(record)  # ShareGPT/OpenAI shapes, or a bare list of turns
             turns = [] if isinstance(messages, str) else [m["content"] for m in messages if m["role"] == "user"]
         turns = [t for t in turns if t.strip()][:max_turns]
         if turns:
