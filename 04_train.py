@@ -43,7 +43,8 @@ def build_parser():
     p.add_argument("--val-every", type=int, default=0, help="also validate every N steps (0: once per epoch)")
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: once per epoch)")
     p.add_argument("--log-every", type=int, default=10, help="log a line every N steps")
-    p.add_argument("--num-workers", type=int, default=2, help="data loader worker processes")
+    p.add_argument("--num-workers", type=int, default=4,
+                   help="threads reading rows into pinned buffers ahead of the step (0 counts as 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, the data order and the noise")
     p.add_argument("--resume", action="store_true", help="continue from <output-dir>/checkpoints/latest")
     p.add_argument("--plot", action="store_true", help="only redraw <output-dir>/training.png from metrics.jsonl")

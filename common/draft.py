@@ -7,12 +7,32 @@ import torch
 from common.cli import UserError
 
 
+def accuracy_counts(pred_ids, target_ids, loss_mask, prev_correct):
+    """speculators' compute_accuracy_single_step, same counts, without its masked_select: an output
+    whose size depends on the data makes the host wait for the GPU (and breaks the compiled graph)
+    at every TTT step."""
+    correct = pred_ids == target_ids
+    cond_total = torch.tensor(correct.numel(), dtype=torch.float, device=correct.device)
+    if prev_correct is not None:
+        cond_total = prev_correct.sum().float()
+        correct = torch.logical_and(prev_correct, correct, out=prev_correct)
+    if loss_mask is None:
+        full_total = torch.tensor(correct.numel(), dtype=torch.float, device=correct.device)
+    else:
+        mask = loss_mask.to(torch.bool)
+        correct, full_total = correct & mask, mask.sum().float()
+    correct_sum = correct.float().sum()
+    return correct_sum, full_total, correct_sum.clone(), cond_total
+
+
 def eagle3_class():
     """Eagle3DraftModel, with its forward left uncompiled: speculators compiles it whenever CUDA is
-    present, silently, for minutes; we compile only on --compile, and say so in the log."""
-    from speculators.models.eagle3 import Eagle3DraftModel
+    present, silently, for minutes; we compile only on --compile, and say so in the log. Its
+    accuracy counts are computed without a host sync (accuracy_counts)."""
+    from speculators.models.eagle3 import Eagle3DraftModel, metrics
     forward = Eagle3DraftModel.forward
     Eagle3DraftModel.forward = getattr(forward, "_torchdynamo_orig_callable", forward)
+    metrics.compute_accuracy_single_step = accuracy_counts
     return Eagle3DraftModel
 
 

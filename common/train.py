@@ -1,18 +1,20 @@
 """Stage 04: train the EAGLE-3 draft on extracted hidden states.
 
-Data handling reuses speculators' own pieces (its packing sampler, collate function and the
-one-token shift between hidden states and inputs), so our loop trains exactly what its trainer does.
+Batches are packed by speculators' own sampler and laid out exactly as its shift_batch and CollateFn
+lay them out (tests/test_train.py checks this), so our loop trains what its trainer trains.
 """
 import json
 import math
 import os
+import queue
 import random
 import shutil
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from common.cli import UserError
 from common.data import load_prepared
@@ -24,22 +26,141 @@ from common.manifest import atomic_write_json, find_stage_dirs, read_manifest, s
 
 # ---------------------------------------------------------------- data
 
-class HiddenStatesRows(torch.utils.data.Dataset):
-    """One item per extracted row, in speculators' training layout, already shifted by one token."""
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64}
 
-    def __init__(self, files: list[str], lengths: list[int]):
-        self.files, self.lengths = files, lengths
 
-    def __len__(self):
-        return len(self.files)
+def safetensors_header(f) -> tuple[dict, int]:
+    """The header of an open safetensors file and the offset its data starts at."""
+    header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return header, f.tell()
 
-    def __getitem__(self, i):
-        from speculators.models.eagle3.data import shift_batch
-        f = load_file(self.files[i])
-        hs = f["hidden_states"]
-        return shift_batch({"hidden_states": hs[:, :-1].flatten(1), "verifier_last_hidden_states": hs[:, -1],
-                            "input_ids": f["token_ids"], "loss_mask": f["loss_mask"],
-                            "lengths": torch.tensor([hs.shape[0]]), "position_ids": torch.arange(hs.shape[0])})
+
+def read_prefix(path: str, names: dict[str, torch.Tensor]) -> None:
+    """Read the first rows of each named tensor of a safetensors file straight into the given
+    (pinned) buffers, whose first dimension says how many: no intermediate copies."""
+    with open(path, "rb") as f:
+        header, base = safetensors_header(f)
+        for name, out in names.items():
+            meta = header[name]
+            if SAFETENSORS_DTYPES[meta["dtype"]] != out.dtype or meta["shape"][1:] != list(out.shape[1:]):
+                raise UserError(f"{path}: {name} is {meta['dtype']} {meta['shape']}, expected {out.dtype} "
+                                f"[*, {', '.join(map(str, out.shape[1:]))}]; rerun 03_extract_hidden_states.py")
+            if meta["shape"][0] < out.shape[0]:
+                raise UserError(f"{path}: {name} holds {meta['shape'][0]} tokens, its manifest says at least "
+                                f"{out.shape[0]}; rerun 03_extract_hidden_states.py")
+            f.seek(base + meta["data_offsets"][0])
+            f.readinto(out.view(torch.uint8).numpy())
+
+
+class PackedBatches:
+    """Packed training sequences of extracted rows, in speculators' layout (its shift_batch, then
+    its CollateFn: rows shifted by one token, concatenated, cut and zero-padded to max_len).
+
+    Rows are read by `threads` threads straight into a ring of pinned host buffers, copied to the
+    device whole and laid out there: its DataLoader path makes five host copies of each 67 MB
+    batch (an 8B verifier, 2048 tokens), which measured slower than the training step itself.
+    """
+
+    def __init__(self, files, lengths, n_aux: int, hidden: int, max_len: int, device, dtype, threads: int,
+                 buffers: int = 3):
+        self.files, self.lengths, self.n_aux, self.hidden = files, lengths, n_aux, hidden
+        self.max_len, self.device, self.dtype = max_len, device, dtype
+        with open(files[0], "rb") as f:
+            self.file_dtype = SAFETENSORS_DTYPES[safetensors_header(f)[0]["hidden_states"]["dtype"]]
+        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="rows-read")
+        self.free: queue.Queue = queue.Queue()
+        for _ in range(buffers):
+            self.free.put(None)  # buffers are made on first use, sized to the batch
+
+    def _plan(self, rows: list[int]):
+        """Which rows, and how many shifted tokens of each, fit in max_len."""
+        plan, used = [], 0
+        for r in rows:
+            take = min(self.lengths[r], self.max_len - used)
+            if take <= 0:
+                break
+            plan.append((r, take))
+            used += take
+        return plan
+
+    def _buffer(self, old, raw_tokens: int):
+        if old is not None and old["states"].shape[0] >= raw_tokens:
+            if old["release"] is not None:
+                old["release"].synchronize()  # its last copy to the device is done
+            return old
+        pin = self.device.type == "cuda"
+        cap = max(raw_tokens, self.max_len + 64)
+        return {"states": torch.empty(cap, self.n_aux + 1, self.hidden, dtype=self.file_dtype, pin_memory=pin),
+                "ids": torch.empty(cap, dtype=torch.int64, pin_memory=pin),
+                "mask": torch.empty(cap, dtype=torch.int64, pin_memory=pin), "release": None}
+
+    def _fill(self, rows: list[int]):
+        plan = self._plan(rows)
+        buf = self._buffer(self.free.get(), sum(take + 1 for _, take in plan))
+        starts = np.cumsum([0] + [take + 1 for _, take in plan])
+        list(self.pool.map(lambda job: read_prefix(self.files[job[0][0]], {
+            "hidden_states": buf["states"][job[1]:job[1] + job[0][1] + 1],
+            "token_ids": buf["ids"][job[1]:job[1] + job[0][1] + 1],
+            "loss_mask": buf["mask"][job[1]:job[1] + job[0][1] + 1]}), zip(plan, starts)))
+        takes = [take for _, take in plan]
+        # Shifted token k of row j pairs aux states at raw position start_j + k with the token,
+        # loss mask and last-layer state at start_j + k + 1.
+        src = np.concatenate([np.arange(s, s + t) for s, t in zip(starts, takes)]) if plan else np.zeros(0, np.int64)
+        pos = np.concatenate([np.arange(1, t + 1) for t in takes]) if plan else np.zeros(0, np.int64)
+        doc = np.repeat(np.arange(len(takes)), takes)
+        return buf, int(starts[-1]), torch.from_numpy(src), torch.from_numpy(pos), torch.from_numpy(doc)
+
+    def _assemble(self, buf, raw: int, src, pos, doc) -> dict:
+        dev, n, L = self.device, src.numel(), self.max_len
+        states = buf["states"][:raw].to(dev, non_blocking=True)
+        ids, mask = buf["ids"][:raw].to(dev, non_blocking=True), buf["mask"][:raw].to(dev, non_blocking=True)
+        src = src.to(dev, non_blocking=True)
+        if dev.type == "cuda":  # the host buffer may be refilled once these copies are done
+            buf["release"] = torch.cuda.Event()
+            buf["release"].record()
+
+        def padded(values, fill=0):
+            out = torch.full((1, L, *values.shape[1:]), fill, dtype=values.dtype, device=dev)
+            out[0, :n] = values
+            return out
+        return {"hidden_states": padded(states[src, :self.n_aux].flatten(1).to(self.dtype)),
+                "verifier_last_hidden_states": padded(states[src + 1, self.n_aux].to(self.dtype)),
+                "input_ids": padded(ids[src + 1]), "loss_mask": padded(mask[src + 1]),
+                "position_ids": padded(pos.to(dev)), "document_ids": padded(doc.to(dev), -1), "tokens": n}
+
+    def __call__(self, batches: list[list[int]]):
+        """Yield each batch of row indices as device tensors; the next batches are read meanwhile."""
+        pending: queue.Queue = queue.Queue(maxsize=1)
+        stop = threading.Event()
+
+        def produce():
+            try:
+                for rows in batches:
+                    if stop.is_set():
+                        return
+                    pending.put(self._fill(rows))
+                pending.put(None)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+                pending.put(e)
+
+        producer = threading.Thread(target=produce, daemon=True, name="rows-pack")
+        producer.start()
+        try:
+            while (item := pending.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                batch = self._assemble(*item)
+                self.free.put(item[0])
+                yield batch
+        finally:  # stopped early: let the producer finish, and its buffers return to the ring
+            stop.set()
+            while producer.is_alive() or not pending.empty():
+                try:
+                    item = pending.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if isinstance(item, tuple):
+                    self.free.put(item[0])
 
 
 def collect_rows(data_dirs, vocab_dir: str, verifier_hash: str, hidden_size: int):
@@ -80,16 +201,6 @@ def epoch_batches(lengths, max_len, seed, epoch, rank, world) -> list:
     sampler = MultipackDistributedBatchSamplerV2(max_len, lengths, world, rank, seed=seed)
     sampler.set_epoch(epoch)
     return [list(b) for b in sampler]
-
-
-def loader(dataset, subset, batches, args, hidden, n_aux, dtype):
-    """A DataLoader over `batches` (lists of indices into `subset`)."""
-    from speculators.train.data import CollateFn
-    mapped = [[subset[i] for i in b] for b in batches]
-    return torch.utils.data.DataLoader(
-        dataset, batch_sampler=mapped, num_workers=args.num_workers, pin_memory=torch.cuda.is_available(),
-        collate_fn=CollateFn(args.max_seq_len, hidden, n_aux, dtype=dtype),
-        persistent_workers=False, prefetch_factor=4 if args.num_workers else None)
 
 
 # ---------------------------------------------------------------- schedule, metrics
@@ -193,7 +304,6 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     hidden = text_config.hidden_size
     files, lengths, aux, folders = collect_rows(args.data_dir, args.vocab_mapping_dir, verifier_hash, hidden)
     train_idx, val_idx = split_rows(len(files), args.val_ratio, args.seed)
-    dataset = HiddenStatesRows(files, lengths)
     attn = "sdpa" if args.attn_impl == "auto" else args.attn_impl  # sdpa measured faster than flex (docs/benchmarks.md)
     model = build_draft(verifier, aux, args.vocab_mapping_dir, args.ttt_steps, attn, args.trust_remote_code).to(device)
     if on_gpu:  # frozen verifier pieces in bf16 once, rather than an autocast copy of them every step
@@ -233,7 +343,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    n_aux = len(aux)
+    packed = PackedBatches(files, lengths, len(aux), hidden, args.max_seq_len, device, dtype, args.num_workers)
     train_lengths = [lengths[i] for i in train_idx]
     total_steps = args.max_steps or sum(
         math.ceil(len(epoch_batches(train_lengths, args.max_seq_len, args.seed, e, rank, world)) / args.grad_accum)
@@ -242,14 +352,14 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     fwd_kwargs = {"ttt_steps": args.ttt_steps, "ttt_step_loss_decay": args.ttt_loss_decay, "loss_config": loss_config}
 
     def forward(batch, noise: bool):
-        hs = batch["hidden_states"].to(device, non_blocking=True)
+        hs = batch["hidden_states"]
         if noise and args.noise_std > 0:  # augmentation of the train split only
             hs = hs + args.noise_std * torch.randn_like(hs)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
             _, loss, metrics = model(
-                hidden_states=hs, input_ids=batch["input_ids"].to(device), document_ids=batch["document_ids"].to(device),
-                loss_mask=batch["loss_mask"].to(device), position_ids=batch["position_ids"].to(device),
-                verifier_last_hidden_states=batch["verifier_last_hidden_states"].to(device), **fwd_kwargs)
+                hidden_states=hs, input_ids=batch["input_ids"], document_ids=batch["document_ids"],
+                loss_mask=batch["loss_mask"], position_ids=batch["position_ids"],
+                verifier_last_hidden_states=batch["verifier_last_hidden_states"], **fwd_kwargs)
         return loss, metrics
 
     @torch.no_grad()
@@ -259,7 +369,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         model.eval()
         sums: dict = {}
         batches = epoch_batches([lengths[i] for i in val_idx], args.max_seq_len, 0, 0, rank, world)
-        for batch in loader(dataset, val_idx, batches, args, hidden, n_aux, dtype):
+        for batch in packed([[val_idx[i] for i in b] for b in batches]):
             add_metrics(sums, forward(batch, noise=False)[1])
         model.train()
         return summarize(sums, args.ttt_steps)
@@ -300,13 +410,13 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     while epoch < args.epochs and not stop:
         batches = epoch_batches(train_lengths, args.max_seq_len, args.seed, epoch, rank, world)
         micro = batches[step_in_epoch * args.grad_accum:]
-        for k, batch in enumerate(loader(dataset, train_idx, micro, args, hidden, n_aux, dtype)):
+        for k, batch in enumerate(packed([[train_idx[i] for i in b] for b in micro])):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, total_steps, args)
             loss, metrics = forward(batch, noise=True)
             (loss / args.grad_accum).backward()
             add_metrics(sums, metrics)
-            tokens_since += int((batch["document_ids"] >= 0).sum()) * world
+            tokens_since += batch["tokens"] * world
             if (k + 1) % args.grad_accum and k + 1 < len(micro):
                 continue
             torch.nn.utils.clip_grad_norm_(params, args.grad_clip)

@@ -70,6 +70,46 @@ def test_killed_after_a_checkpoint_and_resumed_matches_uninterrupted(tmp_path, d
     assert_user_error(proc, "new --output-dir")
 
 
+def test_packed_batches_match_speculators_collate(data_dir, hs_dir):
+    """Our reader lays batches out exactly as speculators' shift_batch + CollateFn, including a pack
+    cut at max_len; and our sync-free accuracy counts equal speculators'."""
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.models.metrics import compute_accuracy_single_step
+    from speculators.train.data import CollateFn
+
+    from common.draft import accuracy_counts
+    from common.train import PackedBatches, collect_rows
+    manifest = read_json(hs_dir / "manifest.json")
+    files, lengths, aux, _ = collect_rows([str(data_dir)], str(data_dir / "vocab_mapping"),
+                                          manifest["inputs"]["verifier_hash"], manifest["hidden_size"])
+    max_len = 300
+    batches = [[0, 1, 2], [5], [7, 3, 9, 11, 4]]
+    assert sum(lengths[i] for i in batches[2]) > max_len  # the last pack is cut
+    ours = list(PackedBatches(files, lengths, len(aux), manifest["hidden_size"], max_len, torch.device("cpu"),
+                              torch.float32, threads=2)(batches))
+    collate = CollateFn(max_len, manifest["hidden_size"], len(aux), dtype=torch.float32)
+    for rows, got in zip(batches, ours):
+        items = []
+        for i in rows:
+            f = load_file(files[i])
+            hs = f["hidden_states"]
+            items.append(shift_batch({
+                "hidden_states": hs[:, :-1].flatten(1), "verifier_last_hidden_states": hs[:, -1],
+                "input_ids": f["token_ids"], "loss_mask": f["loss_mask"], "lengths": torch.tensor([hs.shape[0]]),
+                "position_ids": torch.arange(hs.shape[0])}))
+        want = collate(items)
+        for key in ("hidden_states", "verifier_last_hidden_states", "input_ids", "loss_mask", "position_ids",
+                    "document_ids"):
+            assert torch.equal(got[key], want[key]), key
+        assert got["tokens"] == int((want["document_ids"] >= 0).sum())
+    g = torch.Generator().manual_seed(0)
+    pred, target = torch.randint(0, 3, (1, 200), generator=g), torch.randint(0, 3, (1, 200), generator=g)
+    mask, prev = torch.rand(1, 200, generator=g) > 0.3, torch.rand(1, 200, generator=g) > 0.2
+    want = compute_accuracy_single_step(pred, target, mask.long(), prev.clone())
+    got = accuracy_counts(pred, target, mask.long(), prev.clone())
+    assert [float(x) for x in got] == [float(x) for x in want]
+
+
 def test_noise_touches_training_rows_only(tmp_path, data_dir):
     runs = {}
     for noise in (0.0, 20.0):
