@@ -24,12 +24,13 @@ def main():
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--variants", nargs="+", default=["eager", "compile"])
+    p.add_argument("--variants", nargs="+", default=["eager", "compile-regional"],
+                   help="eager, compile (the whole forward), compile-regional (what 04 --compile does); +flex")
     p.add_argument("--work", default="/tmp/bench_train")
     p.add_argument("--out", default=None, help="write the profiler table and trace here")
     args = p.parse_args()
     from bench_train import make_inputs
-    from common.draft import build_draft
+    from common.draft import build_draft, compile_draft
     from common.train import PackedBatches, collect_rows, epoch_batches
     from speculators.losses import resolve_loss_config
     make_inputs(args.work, args.shape, args.rows, args.seq_len, 32000)
@@ -62,12 +63,14 @@ def main():
 
     for variant in args.variants:
         attn = "simple_flex_attention" if "flex" in variant else "sdpa"
-        model = build_draft(verifier, aux, vm, 3, attn).to(device)
+        model = build_draft(verifier, aux, vm, 3, attn, device=device)
         for frozen in (model.embed_tokens, model.lm_head, model.verifier_lm_head, model.verifier_norm):
             frozen.to(torch.bfloat16 if on_gpu else torch.float32)
         params = [q for q in model.parameters() if q.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-5, fused=on_gpu)
-        fwd = torch.compile(model.forward) if "compile" in variant else model.forward
+        if "compile" in variant:
+            compile_draft(model, regional="regional" in variant)
+        fwd = model.forward
         kw = dict(ttt_steps=3, ttt_step_loss_decay=1.0, loss_config=resolve_loss_config("kl_div", "eager"))
 
         def step():
@@ -82,6 +85,12 @@ def main():
         step()
         sync()
         first = time.time() - t
+        if "compile" in variant:  # where the compile time went (seconds, summed over graphs)
+            from torch._dynamo.utils import compile_times
+            names, values = compile_times(repr="csv", aggregate=True)
+            print({k: round(float(v), 1) for k, v in zip(names, values) if k in (
+                "_compile.compile_inner", "OutputGraph.call_user_compiler", "compile_fx.<locals>.fw_compiler_base",
+                "compile_fx.<locals>.bw_compiler", "async_compile.wait", "compile_file")}, flush=True)
         for _ in range(3):
             step()
         sync()

@@ -12,12 +12,13 @@ def accuracy_counts(pred_ids, target_ids, loss_mask, prev_correct):
     whose size depends on the data makes the host wait for the GPU (and breaks the compiled graph)
     at every TTT step."""
     correct = pred_ids == target_ids
-    cond_total = torch.tensor(correct.numel(), dtype=torch.float, device=correct.device)
+    # torch.full, not torch.tensor(..., device=): a copy from host memory waits for the GPU too
+    cond_total = torch.full((), correct.numel(), dtype=torch.float, device=correct.device)
     if prev_correct is not None:
         cond_total = prev_correct.sum().float()
         correct = torch.logical_and(prev_correct, correct, out=prev_correct)
     if loss_mask is None:
-        full_total = torch.tensor(correct.numel(), dtype=torch.float, device=correct.device)
+        full_total = torch.full((), correct.numel(), dtype=torch.float, device=correct.device)
     else:
         mask = loss_mask.to(torch.bool)
         correct, full_total = correct & mask, mask.sum().float()
@@ -36,9 +37,27 @@ def eagle3_class():
     return Eagle3DraftModel
 
 
+def compile_draft(model, regional: bool = True):
+    """torch.compile the draft. regional: the decoder layers and the per-TTT-step loss and metrics
+    (where the fusions are), each traced once per TTT step, rather than the whole unrolled forward,
+    which compiles slower (docs/benchmarks.md)."""
+    if not regional:
+        model.forward = torch.compile(model.forward)
+        return model
+    from speculators.models.eagle3 import core
+    for layer in model.layers:
+        layer.compile(dynamic=False)
+    if not hasattr(core.compute_metrics, "_torchdynamo_orig_callable"):  # module-level: compile once
+        core.compute_metrics = torch.compile(core.compute_metrics, dynamic=False)
+    return model
+
+
 def build_draft(verifier: str, aux_layers: list[int], vocab_dir: str, ttt_steps: int, attn_impl: str,
-                trust_remote_code: bool = False, num_layers: int = 1):
+                trust_remote_code: bool = False, num_layers: int = 1, device="cpu"):
     """A fresh draft whose frozen embedding, final norm and lm_head come from the verifier's shards.
+
+    Built on `device` directly: initialising an 8B verifier's embedding and heads on the host
+    (thrown away when the verifier's weights load) took 12 s of the launch.
 
     speculators' own `from_training_args` reads the verifier config without trust_remote_code; this
     builds the same config through the pieces that take it, so Kimi-style verifiers work too.
@@ -64,7 +83,8 @@ def build_draft(verifier: str, aux_layers: list[int], vocab_dir: str, ttt_steps:
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt_steps)],
             default_proposal_method="greedy", verifier=VerifierConfig.from_pretrained(verifier)))
-    model = eagle3_class()(config)
+    with torch.device(device):
+        model = eagle3_class()(config)
     model.load_vocab_mappings(t2d, d2t)
     DraftVocabMixin._load_verifier_weights(model)  # noqa: SLF001 - skips Eagle3's config re-read
     model.embed_tokens.weight.requires_grad_(False)

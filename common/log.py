@@ -6,6 +6,7 @@ import sys
 import time
 
 log = logging.getLogger("eagle3")
+LAUNCH = time.time()  # imported first by every stage: the time a launch is counted from
 
 
 def setup_logging(stage: str, log_file: str | None = None) -> None:

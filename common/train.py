@@ -18,9 +18,9 @@ import torch
 
 from common.cli import UserError
 from common.data import load_prepared
-from common.draft import build_draft, save_servable, trainable_state
+from common.draft import build_draft, compile_draft, save_servable, trainable_state
 from common.extract import row_file
-from common.log import fmt_duration, log, memory_summary
+from common.log import LAUNCH, fmt_duration, log, memory_summary
 from common.manifest import atomic_write_json, find_stage_dirs, read_manifest, sha256_json
 
 
@@ -92,7 +92,8 @@ class PackedBatches:
         cap = max(raw_tokens, self.max_len + 64)
         return {"states": torch.empty(cap, self.n_aux + 1, self.hidden, dtype=self.file_dtype, pin_memory=pin),
                 "ids": torch.empty(cap, dtype=torch.int64, pin_memory=pin),
-                "mask": torch.empty(cap, dtype=torch.int64, pin_memory=pin), "release": None}
+                "mask": torch.empty(cap, dtype=torch.int64, pin_memory=pin),
+                "layout": torch.empty(3, self.max_len, dtype=torch.int64, pin_memory=pin), "release": None}
 
     def _fill(self, rows: list[int]):
         plan = self._plan(rows)
@@ -103,18 +104,22 @@ class PackedBatches:
             "token_ids": buf["ids"][job[1]:job[1] + job[0][1] + 1],
             "loss_mask": buf["mask"][job[1]:job[1] + job[0][1] + 1]}), zip(plan, starts)))
         takes = [take for _, take in plan]
+        n = sum(takes)
         # Shifted token k of row j pairs aux states at raw position start_j + k with the token,
-        # loss mask and last-layer state at start_j + k + 1.
-        src = np.concatenate([np.arange(s, s + t) for s, t in zip(starts, takes)]) if plan else np.zeros(0, np.int64)
-        pos = np.concatenate([np.arange(1, t + 1) for t in takes]) if plan else np.zeros(0, np.int64)
-        doc = np.repeat(np.arange(len(takes)), takes)
-        return buf, int(starts[-1]), torch.from_numpy(src), torch.from_numpy(pos), torch.from_numpy(doc)
+        # loss mask and last-layer state at start_j + k + 1. Written into the pinned buffer: a
+        # copy from pageable memory would make the host wait for the GPU every step.
+        if plan:
+            layout = buf["layout"][:, :n].numpy()
+            layout[0] = np.concatenate([np.arange(s, s + t) for s, t in zip(starts, takes)])
+            layout[1] = np.concatenate([np.arange(1, t + 1) for t in takes])
+            layout[2] = np.repeat(np.arange(len(takes)), takes)
+        return buf, int(starts[-1]), n
 
-    def _assemble(self, buf, raw: int, src, pos, doc) -> dict:
-        dev, n, L = self.device, src.numel(), self.max_len
+    def _assemble(self, buf, raw: int, n: int) -> dict:
+        dev, L = self.device, self.max_len
         states = buf["states"][:raw].to(dev, non_blocking=True)
         ids, mask = buf["ids"][:raw].to(dev, non_blocking=True), buf["mask"][:raw].to(dev, non_blocking=True)
-        src = src.to(dev, non_blocking=True)
+        src, pos, doc = buf["layout"][:, :n].to(dev, non_blocking=True)
         if dev.type == "cuda":  # the host buffer may be refilled once these copies are done
             buf["release"] = torch.cuda.Event()
             buf["release"].record()
@@ -126,7 +131,7 @@ class PackedBatches:
         return {"hidden_states": padded(states[src, :self.n_aux].flatten(1).to(self.dtype)),
                 "verifier_last_hidden_states": padded(states[src + 1, self.n_aux].to(self.dtype)),
                 "input_ids": padded(ids[src + 1]), "loss_mask": padded(mask[src + 1]),
-                "position_ids": padded(pos.to(dev)), "document_ids": padded(doc.to(dev), -1), "tokens": n}
+                "position_ids": padded(pos), "document_ids": padded(doc, -1), "tokens": n}
 
     def __call__(self, batches: list[list[int]]):
         """Yield each batch of row indices as device tensors; the next batches are read meanwhile."""
@@ -305,7 +310,8 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     files, lengths, aux, folders = collect_rows(args.data_dir, args.vocab_mapping_dir, verifier_hash, hidden)
     train_idx, val_idx = split_rows(len(files), args.val_ratio, args.seed)
     attn = "sdpa" if args.attn_impl == "auto" else args.attn_impl  # sdpa measured faster than flex (docs/benchmarks.md)
-    model = build_draft(verifier, aux, args.vocab_mapping_dir, args.ttt_steps, attn, args.trust_remote_code).to(device)
+    t_build = time.time()
+    model = build_draft(verifier, aux, args.vocab_mapping_dir, args.ttt_steps, attn, args.trust_remote_code, device=device)
     if on_gpu:  # frozen verifier pieces in bf16 once, rather than an autocast copy of them every step
         for frozen in (model.embed_tokens, model.lm_head, model.verifier_lm_head, model.verifier_norm):
             frozen.to(torch.bfloat16)
@@ -320,6 +326,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         log.info(f"{len(files)} rows from {len(folders)} folder(s): {len(train_idx)} train, {len(val_idx)} val; "
                  f"aux layers {aux}; draft vocab {draft_vocab}; {n_params / 1e6:.1f}M trainable parameters; "
                  f"attention {attn}; device {device} x {world}")
+        log.info(f"draft built in {time.time() - t_build:.1f}s; {time.time() - LAUNCH:.1f}s since launch")
 
     # Resume: model, optimizer, schedule position, data order (epoch + batch) and RNG.
     epoch, step_in_epoch, step, best_val, history_tokens = 0, 0, 0, float("inf"), 0
@@ -339,7 +346,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         log.info(f"--resume: no checkpoint in {args.output_dir}; starting fresh")
 
     if args.compile:
-        model.forward = torch.compile(model.forward)
+        compile_draft(model, regional=args.compile == "regional")
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -402,7 +409,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
 
     # ------------------------------------------------ the loop
     model.train()
-    t_launch = time.time()
+    t_loop = time.time()
     t_last, tokens_since, sums, first_step_logged = time.time(), 0, {}, False
     stop = False
     if rank == 0 and on_gpu and args.compile:
@@ -425,8 +432,8 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
             step += 1
             step_in_epoch += 1
             if not first_step_logged and rank == 0:
-                log.info(f"first step done {time.time() - t_launch:.1f}s after the loop started"
-                         f"{' (includes torch.compile)' if args.compile else ''}")
+                log.info(f"first step done {time.time() - LAUNCH:.1f}s after launch, {time.time() - t_loop:.1f}s "
+                         f"after the loop started{' (includes torch.compile)' if args.compile else ''}")
                 first_step_logged = True
             if step % args.log_every == 0 or step == total_steps:
                 dt = time.time() - t_last
