@@ -6,8 +6,7 @@
 Builds a random verifier of a real shape (only what the draft reads: config, embedding, lm_head,
 final norm) and random hidden states of real shapes in the pipeline's formats, then trains:
   ours          04_train.py (eager forward)
-  ours+compile  04_train.py --compile (regional: the decoder layer and the loss)
-  ours+compile-full  04_train.py --compile full (the whole forward)
+  ours+compile  04_train.py --compile
   speculators   speculators.train.trainer.Trainer with its own ArrowDataset/FileTransfer loader,
                 shift_batch, packing sampler and (on CUDA) its torch.compile'd forward
 each in its own process, and prints tokens/s, the ratio, MFU, peak memory and the time from launch
@@ -86,7 +85,7 @@ def run_ours(work: str, args, variant: str) -> dict:
            "--data-dir", os.path.join(work, "data"), "--output-dir", out, "--max-steps", str(args.steps),
            "--epochs", "1000", "--max-seq-len", str(args.seq_len), "--ttt-steps", "3", "--val-ratio", "0",
            "--log-every", "10", "--num-workers", str(args.num_workers), "--attn-impl", attn, "--loss-implementation", "eager",
-           "--lr", "1e-4"] + (["--compile", "full" if "full" in variant else "regional"] if compile_ else [])
+           "--lr", "1e-4"] + (["--compile"] if compile_ else [])
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
@@ -173,8 +172,8 @@ def main():
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--draft-vocab", type=int, default=32000)
     p.add_argument("--work", default="/tmp/bench_train")
-    p.add_argument("--only", choices=["ours", "ours+compile", "ours+compile-full", "ours+compile+flex", "speculators"],
-                   nargs="+", default=["ours", "ours+compile", "ours+compile-full", "speculators"])
+    p.add_argument("--only", choices=["ours", "ours+compile", "ours+compile+flex", "speculators"], nargs="+",
+                   default=["ours", "ours+compile", "speculators"])
     p.add_argument("--num-workers", type=int, default=4, help="data loader workers for our runs")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--speculators-worker", help=argparse.SUPPRESS)

@@ -24,13 +24,12 @@ def main():
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--variants", nargs="+", default=["eager", "compile-regional"],
-                   help="eager, compile (the whole forward), compile-regional (what 04 --compile does); +flex")
+    p.add_argument("--variants", nargs="+", default=["eager", "compile"], help="eager, compile, compile+flex")
     p.add_argument("--work", default="/tmp/bench_train")
     p.add_argument("--out", default=None, help="write the profiler table and trace here")
     args = p.parse_args()
     from bench_train import make_inputs
-    from common.draft import build_draft, compile_draft
+    from common.draft import build_draft
     from common.train import PackedBatches, collect_rows, epoch_batches
     from speculators.losses import resolve_loss_config
     make_inputs(args.work, args.shape, args.rows, args.seq_len, 32000)
@@ -68,9 +67,7 @@ def main():
             frozen.to(torch.bfloat16 if on_gpu else torch.float32)
         params = [q for q in model.parameters() if q.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-5, fused=on_gpu)
-        if "compile" in variant:
-            compile_draft(model, regional="regional" in variant)
-        fwd = model.forward
+        fwd = torch.compile(model.forward) if "compile" in variant else model.forward
         kw = dict(ttt_steps=3, ttt_step_loss_decay=1.0, loss_config=resolve_loss_config("kl_div", "eager"))
 
         def step():

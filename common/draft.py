@@ -37,21 +37,6 @@ def eagle3_class():
     return Eagle3DraftModel
 
 
-def compile_draft(model, regional: bool = True):
-    """torch.compile the draft. regional: the decoder layers and the per-TTT-step loss and metrics
-    (where the fusions are), each traced once per TTT step, rather than the whole unrolled forward,
-    which compiles slower (docs/benchmarks.md)."""
-    if not regional:
-        model.forward = torch.compile(model.forward)
-        return model
-    from speculators.models.eagle3 import core
-    for layer in model.layers:
-        layer.compile(dynamic=False)
-    if not hasattr(core.compute_metrics, "_torchdynamo_orig_callable"):  # module-level: compile once
-        core.compute_metrics = torch.compile(core.compute_metrics, dynamic=False)
-    return model
-
-
 def build_draft(verifier: str, aux_layers: list[int], vocab_dir: str, ttt_steps: int, attn_impl: str,
                 trust_remote_code: bool = False, num_layers: int = 1, device="cpu"):
     """A fresh draft whose frozen embedding, final norm and lm_head come from the verifier's shards.

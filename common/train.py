@@ -18,7 +18,7 @@ import torch
 
 from common.cli import UserError
 from common.data import load_prepared
-from common.draft import build_draft, compile_draft, save_servable, trainable_state
+from common.draft import build_draft, save_servable, trainable_state
 from common.extract import row_file
 from common.log import LAUNCH, fmt_duration, log, memory_summary
 from common.manifest import atomic_write_json, find_stage_dirs, read_manifest, sha256_json
@@ -346,7 +346,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         log.info(f"--resume: no checkpoint in {args.output_dir}; starting fresh")
 
     if args.compile:
-        compile_draft(model, regional=args.compile == "regional")
+        model.forward = torch.compile(model.forward)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -412,7 +412,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     t_loop = time.time()
     t_last, tokens_since, sums, first_step_logged = time.time(), 0, {}, False
     stop = False
-    if rank == 0 and on_gpu and args.compile:
+    if rank == 0 and args.compile:
         log.info("torch.compile is running on the first step; this takes a while")
     while epoch < args.epochs and not stop:
         batches = epoch_batches(train_lengths, args.max_seq_len, args.seed, epoch, rank, world)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -108,6 +109,23 @@ def test_packed_batches_match_speculators_collate(data_dir, hs_dir):
     want = compute_accuracy_single_step(pred, target, mask.long(), prev.clone())
     got = accuracy_counts(pred, target, mask.long(), prev.clone())
     assert [float(x) for x in got] == [float(x) for x in want]
+
+
+@pytest.mark.slow
+def test_compiled_forward_trains_what_eager_trains(tmp_path, data_dir):
+    """--compile (torch.compile of speculators' forward with our sync-free accuracy counts) gives the
+    eager losses and accuracies, and says in the log that it is compiling."""
+    runs = {}
+    for flags in ([], ["--compile"]):
+        out = tmp_path / ("compiled" if flags else "eager")
+        proc = stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--max-steps", 3, "--log-every", 1,
+                     "--val-ratio", 0, "--max-seq-len", 512, "--lr", 1e-3, *flags)
+        runs[bool(flags)] = records(out, "train")
+    assert "torch.compile is running" in proc.stdout and "(includes torch.compile)" in proc.stdout
+    assert len(runs[True]) == len(runs[False]) == 3
+    for eager, compiled in zip(runs[False], runs[True]):
+        assert abs(eager["loss"] - compiled["loss"]) < 1e-3 * eager["loss"]
+        assert all(abs(a - b) < 1e-3 for a, b in zip(eager["acc_pos"], compiled["acc_pos"]))
 
 
 def test_noise_touches_training_rows_only(tmp_path, data_dir):
