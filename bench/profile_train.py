@@ -82,7 +82,7 @@ def main():
         step()
         sync()
         first = time.time() - t
-        if "compile" in variant:  # where the compile time went (seconds, summed over graphs)
+        if "compile" in variant:  # where the compile time went (seconds, summed over this process's graphs so far)
             from torch._dynamo.utils import compile_times
             names, values = compile_times(repr="csv", aggregate=True)
             print({k: round(float(v), 1) for k, v in zip(names, values) if k in (
