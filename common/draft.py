@@ -30,11 +30,24 @@ def eagle3_class():
     """Eagle3DraftModel, with its forward left uncompiled: speculators compiles it whenever CUDA is
     present, silently, for minutes; we compile only on --compile, and say so in the log. Its
     accuracy counts are computed without a host sync (accuracy_counts)."""
-    from speculators.models.eagle3 import Eagle3DraftModel, metrics
+    from speculators.models.eagle3 import Eagle3DraftModel, metrics, model_definitions
     forward = Eagle3DraftModel.forward
     Eagle3DraftModel.forward = getattr(forward, "_torchdynamo_orig_callable", forward)
     metrics.compute_accuracy_single_step = accuracy_counts
+    model_definitions.torch = torch_without_graph_break()
     return Eagle3DraftModel
+
+
+def torch_without_graph_break():
+    """`torch` as speculators' decoder layer sees it, minus the torch._dynamo.graph_break() it calls
+    on torch >= 2.10 (against pytorch#175250, a fused kernel too big for shared memory, seen with flex
+    attention): inside the TTT loop dynamo cannot resume after a break, so it ran the whole forward
+    eagerly and compiled only its pieces, again at each TTT step."""
+    import types
+    shim = types.ModuleType("torch")
+    shim.__dict__.update(torch.__dict__)
+    shim._dynamo = types.SimpleNamespace(graph_break=lambda: None)  # noqa: SLF001
+    return shim
 
 
 def build_draft(verifier: str, aux_layers: list[int], vocab_dir: str, ttt_steps: int, attn_impl: str,

@@ -240,6 +240,15 @@ def add_metrics(sums: dict, metrics: dict) -> None:
         sums[k] = sums.get(k, 0.0) + v.detach()
 
 
+def compile_note() -> str:
+    """How long torch.compile took so far in this process, forward and backward graphs."""
+    from torch._dynamo.utils import compile_times
+    names, values = compile_times(repr="csv", aggregate=True)
+    took = dict(zip(names, map(float, values)))
+    return (f" (includes torch.compile: {took.get('_compile.compile_inner', 0):.1f}s tracing and compiling the forward, "
+            f"{took.get('compile_fx.<locals>.bw_compiler', 0):.1f}s the backward)")
+
+
 # ---------------------------------------------------------------- checkpoints
 
 def save_checkpoint(out_dir: str, name: str, model, optimizer, state: dict, is_best: bool) -> str:
@@ -310,6 +319,9 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     files, lengths, aux, folders = collect_rows(args.data_dir, args.vocab_mapping_dir, verifier_hash, hidden)
     train_idx, val_idx = split_rows(len(files), args.val_ratio, args.seed)
     attn = "sdpa" if args.attn_impl == "auto" else args.attn_impl  # sdpa measured faster than flex (docs/benchmarks.md)
+    if args.compile and on_gpu and os.environ.get("EAGLE3_WARM_POOL") == "1":
+        from torch._inductor.async_compile import maybe_warm_pool
+        maybe_warm_pool()  # inductor's compile workers start while the draft is built, not on the first step
     t_build = time.time()
     model = build_draft(verifier, aux, args.vocab_mapping_dir, args.ttt_steps, attn, args.trust_remote_code, device=device)
     if on_gpu:  # frozen verifier pieces in bf16 once, rather than an autocast copy of them every step
@@ -433,7 +445,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
             step_in_epoch += 1
             if not first_step_logged and rank == 0:
                 log.info(f"first step done {time.time() - LAUNCH:.1f}s after launch, {time.time() - t_loop:.1f}s "
-                         f"after the loop started{' (includes torch.compile)' if args.compile else ''}")
+                         f"after the loop started{compile_note() if args.compile else ''}")
                 first_step_logged = True
             if step % args.log_every == 0 or step == total_steps:
                 dt = time.time() - t_last

@@ -20,10 +20,10 @@ ROWS, SEQ = 64, 256          # small real data: ~14K tokens, a minute of extract
 DRAFT_VOCAB = 4096
 
 
-def stage(script: str, *args, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
-    """Run a numbered script; return the completed process (stdout+stderr as text)."""
+def stage(script: str, *args, check: bool = True, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a numbered script (with `env` added to the environment); return the completed process."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc

@@ -1,6 +1,7 @@
 """Stage 04 on real extracted rows of the real verifier."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -114,14 +115,18 @@ def test_packed_batches_match_speculators_collate(data_dir, hs_dir):
 @pytest.mark.slow
 def test_compiled_forward_trains_what_eager_trains(tmp_path, data_dir):
     """--compile (torch.compile of speculators' forward with our sync-free accuracy counts) gives the
-    eager losses and accuracies, and says in the log that it is compiling."""
+    eager losses and accuracies, traces the whole forward as one graph (no graph break, no recompile
+    at each TTT step), and says in the log that it is compiling and how long that took."""
     runs = {}
     for flags in ([], ["--compile"]):
         out = tmp_path / ("compiled" if flags else "eager")
         proc = stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--max-steps", 3, "--log-every", 1,
-                     "--val-ratio", 0, "--max-seq-len", 512, "--lr", 1e-3, *flags)
+                     "--val-ratio", 0, "--max-seq-len", 512, "--lr", 1e-3, *flags,
+                     env={"TORCH_LOGS": "graph_breaks,recompiles"})
         runs[bool(flags)] = records(out, "train")
-    assert "torch.compile is running" in proc.stdout and "(includes torch.compile)" in proc.stdout
+    assert "Graph break" not in proc.stderr and "Recompiling" not in proc.stderr, proc.stderr[-3000:]
+    assert "torch.compile is running" in proc.stdout
+    assert re.search(r"includes torch.compile: [\d.]+s tracing and compiling the forward, [\d.]+s the backward", proc.stdout)
     assert len(runs[True]) == len(runs[False]) == 3
     for eager, compiled in zip(runs[False], runs[True]):
         assert abs(eager["loss"] - compiled["loss"]) < 1e-3 * eager["loss"]
