@@ -5,8 +5,9 @@
 
 Builds a random verifier of a real shape (only what the draft reads: config, embedding, lm_head,
 final norm) and random hidden states of real shapes in the pipeline's formats, then trains:
-  ours          04_train.py (eager forward)
-  ours+compile  04_train.py --compile
+  ours               04_train.py (eager forward)
+  ours+compile       04_train.py --compile (eager steps until the compiled forward is built beside them)
+  ours+compile-wait  04_train.py --compile --compile-wait (compiled before the first step)
   speculators   speculators.train.trainer.Trainer with its own ArrowDataset/FileTransfer loader,
                 shift_batch, packing sampler and (on CUDA) its torch.compile'd forward
 each in its own process, and prints tokens/s, the ratio, MFU, peak memory and the time from launch
@@ -78,14 +79,15 @@ def make_inputs(work: str, shape: str, rows: int, seq_len: int, draft_vocab: int
 
 
 def run_ours(work: str, args, variant: str) -> dict:
-    compile_, attn = "compile" in variant, "simple_flex_attention" if "flex" in variant else "sdpa"
+    attn = "simple_flex_attention" if "flex" in variant else "sdpa"
+    flags = (["--compile"] if "compile" in variant else []) + (["--compile-wait"] if "wait" in variant else [])
     out = os.path.join(work, "out_" + variant.replace("+", "_"))
     subprocess.run(["rm", "-rf", out])
     cmd = [sys.executable, os.path.join(ROOT, "04_train.py"), "--verifier-path", os.path.join(work, "verifier"),
            "--data-dir", os.path.join(work, "data"), "--output-dir", out, "--max-steps", str(args.steps),
            "--epochs", "1000", "--max-seq-len", str(args.seq_len), "--ttt-steps", "3", "--val-ratio", "0",
            "--log-every", "10", "--num-workers", str(args.num_workers), "--attn-impl", attn, "--loss-implementation", "eager",
-           "--lr", "1e-4"] + (["--compile"] if compile_ else [])
+           "--lr", "1e-4"] + flags
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
@@ -93,13 +95,20 @@ def run_ours(work: str, args, variant: str) -> dict:
     log = proc.stdout
     with open(out + ".txt", "w") as f:  # the run's own log, kept for reading
         f.write(log + proc.stderr)
-    first = re.search(r"^(\S+ \S+) .*first step done", log, re.M)
-    launch_first = (time.mktime(time.strptime(first.group(1), "%Y-%m-%d %H:%M:%S")) - start) if first else None
+
+    def since_launch(pattern):
+        hit = re.search(r"^(\S+ \S+) .*" + pattern, log, re.M)
+        return (time.mktime(time.strptime(hit.group(1), "%Y-%m-%d %H:%M:%S")) - start) if hit else None
     records = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"train"' in x]
-    steady = records[2:] or records
+    switch = re.search(r"compiled forward in use from step (\d+)", log)
+    compiled_from = int(switch.group(1)) if switch else None
+    # steady state: past the first two log intervals, and past the switch to the compiled forward
+    steady = [r for r in records[2:] if compiled_from is None or r["step"] - 10 >= compiled_from] or records[2:] or records
     mem = re.findall(r"gpu_peak ([\d.]+)GB", log)
-    return {"tokens_per_s": sum(r["tokens_per_s"] for r in steady) / len(steady),
-            "launch_to_first_step_s": launch_first, "peak_gpu_GB": float(mem[-1]) if mem else None}
+    return {"tokens_per_s": sum(r["tokens_per_s"] for r in steady) / len(steady), "steady_steps": len(steady) * 10,
+            "launch_to_first_step_s": since_launch("first step done"),
+            "launch_to_compiled_s": since_launch("compiled forward in use"), "compiled_from_step": compiled_from,
+            "peak_gpu_GB": float(mem[-1]) if mem else None}
 
 
 def speculators_worker(work: str, steps: int, seq_len: int, result_path: str) -> None:
@@ -152,8 +161,10 @@ def speculators_worker(work: str, steps: int, seq_len: int, result_path: str) ->
                    "peak_gpu_GB": torch.cuda.max_memory_allocated() / 1e9}, f)
 
 
-def draft_flops_per_token(work: str, draft_vocab: int) -> float:
-    """6 x (trainable + frozen draft lm_head) parameters per TTT step, plus the verifier head's forward."""
+def draft_flops_per_token(work: str, draft_vocab: int) -> tuple[float, float]:
+    """Two counts of matmul FLOPs per token (attention's own products left out in both):
+    the issue's: 6 x (trainable + frozen draft lm_head) parameters per TTT step, plus the verifier head's forward;
+    the work needed: fc runs once, not per TTT step, and the frozen lm_head needs no weight gradient (4, not 6)."""
     from transformers import AutoConfig
     c = AutoConfig.from_pretrained(os.path.join(work, "verifier"))
     H, I = c.hidden_size, c.intermediate_size
@@ -161,7 +172,7 @@ def draft_flops_per_token(work: str, draft_vocab: int) -> float:
     layer = 2 * H * H + 2 * (2 * H * kv) + H * H + 3 * H * I  # q from 2H, k/v from 2H, o, mlp
     fc = 3 * H * H
     head = draft_vocab * H
-    return 3 * 6 * (layer + fc + head) + 2 * head
+    return 3 * 6 * (layer + fc + head) + 2 * head, 3 * 6 * layer + 6 * fc + 3 * 4 * head + 2 * head
 
 
 def main():
@@ -172,8 +183,8 @@ def main():
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--draft-vocab", type=int, default=32000)
     p.add_argument("--work", default="/tmp/bench_train")
-    p.add_argument("--only", choices=["ours", "ours+compile", "ours+compile+flex", "speculators"], nargs="+",
-                   default=["ours", "ours+compile", "speculators"])
+    p.add_argument("--only", choices=["ours", "ours+compile", "ours+compile-wait", "ours+compile-wait+flex", "speculators"],
+                   nargs="+", default=["ours", "ours+compile", "ours+compile-wait", "speculators"])
     p.add_argument("--num-workers", type=int, default=4, help="data loader workers for our runs")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--speculators-worker", help=argparse.SUPPRESS)
@@ -195,16 +206,20 @@ def main():
         else:
             results[name] = run_ours(args.work, args, name)
         print(name, results[name], flush=True)
-    flops = draft_flops_per_token(args.work, args.draft_vocab)
+    flops, needed = draft_flops_per_token(args.work, args.draft_vocab)
     base = results.get("speculators", {}).get("tokens_per_s")
     print(f"\n{args.shape} draft, {args.seq_len}-token packed sequences, 3 TTT steps, {args.steps} steps")
-    print(f"{'run':18s} {'tokens/s':>10s} {'vs spec':>8s} {'MFU':>6s} {'peak GB':>8s} {'first step':>10s}")
+    print(f"MFU: {flops / 1e9:.2f} GFLOP/token (the issue's 6-FLOPs-per-parameter count); "
+          f"MFU needed: {needed / 1e9:.2f} GFLOP/token (fc once, no weight gradient for the frozen head)")
+    print(f"{'run':22s} {'tokens/s':>10s} {'vs spec':>8s} {'MFU':>6s} {'needed':>7s} {'peak GB':>8s} {'first step':>10s} "
+          f"{'compiled':>9s} {'from step':>9s}")
+    seconds = lambda v: "-" if v is None else f"{v:.1f}s"  # noqa: E731
     for name, r in results.items():
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
-        first = f"{r['launch_to_first_step_s']:.1f}s" if r.get("launch_to_first_step_s") is not None else "-"
-        print(f"{name:18s} {r['tokens_per_s']:10,.0f} {ratio:>8s} {r['tokens_per_s'] * flops / PEAK_BF16:6.1%} "
-              f"{r['peak_gpu_GB'] or 0:8.1f} {first:>10s}")
-        r["mfu"] = r["tokens_per_s"] * flops / PEAK_BF16
+        r["mfu"], r["mfu_needed"] = r["tokens_per_s"] * flops / PEAK_BF16, r["tokens_per_s"] * needed / PEAK_BF16
+        print(f"{name:22s} {r['tokens_per_s']:10,.0f} {ratio:>8s} {r['mfu']:6.1%} {r['mfu_needed']:7.1%} "
+              f"{r['peak_gpu_GB'] or 0:8.1f} {seconds(r.get('launch_to_first_step_s')):>10s} "
+              f"{seconds(r.get('launch_to_compiled_s')):>9s} {r.get('compiled_from_step') or '-':>9}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": args.shape, "seq_len": args.seq_len, "steps": args.steps, "results": results}, f, indent=2)

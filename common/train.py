@@ -240,13 +240,53 @@ def add_metrics(sums: dict, metrics: dict) -> None:
         sums[k] = sums.get(k, 0.0) + v.detach()
 
 
-def compile_note() -> str:
-    """How long torch.compile took so far in this process, forward and backward graphs."""
-    from torch._dynamo.utils import compile_times
-    names, values = compile_times(repr="csv", aggregate=True)
-    took = dict(zip(names, map(float, values)))
-    return (f" (includes torch.compile: {took.get('_compile.compile_inner', 0):.1f}s tracing and compiling the forward, "
-            f"{took.get('compile_fx.<locals>.bw_compiler', 0):.1f}s the backward)")
+class Compiler:
+    """torch.compile of the draft's forward, run once on the first batch on a thread of its own while
+    the loop goes on with eager steps; the loop switches to the compiled forward when it is built.
+    A cold compile took ~30 s for an 8B-shaped draft on an H200: without this, silent time before the
+    first step that looks like a hang. While it runs, its forward and backward sit beside an eager
+    step's on the GPU, so memory peaks near both. `wait` compiles before the first step instead."""
+
+    def __init__(self, model, call, wait: bool, announce: bool):
+        self.model, self.call, self.wait, self.announce = model, call, wait, announce
+        self.eager, self.compiled = model.forward, torch.compile(model.forward)
+        self.thread, self.error, self.started, self.installed = None, None, 0.0, False
+
+    def _build(self, batch):
+        try:
+            if batch["input_ids"].is_cuda:  # the current GPU is per thread
+                torch.cuda.set_device(batch["input_ids"].device)
+            loss = self.call(self.compiled, batch)
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            torch.autograd.grad(loss, params, allow_unused=True)  # compiles the backward; .grad is left alone
+        except Exception as e:  # noqa: BLE001 - reported by finish(); training goes on eager
+            self.error = e
+
+    def start(self, batch, step: int):
+        if self.started:
+            return
+        self.started = time.time()
+        self.thread = threading.Thread(target=self._build, args=(batch,), daemon=True, name="compile")
+        self.thread.start()
+        if self.wait:
+            self.finish(step)
+
+    def finish(self, step: int, block: bool = True) -> None:
+        """Install the compiled forward, once it is built (waited for if `block`), for the steps after `step`."""
+        if self.installed or not self.started or (not block and self.thread.is_alive()):
+            return
+        self.thread.join()
+        self.installed = True
+        if self.error is not None:
+            log.warning(f"torch.compile failed ({type(self.error).__name__}: {str(self.error).splitlines()[0][:300]}); "
+                        "training goes on with the eager forward")
+            return
+        self.model.forward = self.compiled
+        from torch._dynamo.utils import compile_times
+        took = dict(zip(*compile_times(repr="csv", aggregate=True)))
+        self.announce and log.info(f"compiled forward in use from step {step + 1}: torch.compile took {time.time() - self.started:.1f}s "
+                 f"({float(took.get('_compile.compile_inner', 0)):.1f}s tracing and compiling the forward, "
+                 f"{float(took.get('compile_fx.<locals>.bw_compiler', 0)):.1f}s the backward)")
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -319,9 +359,9 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     files, lengths, aux, folders = collect_rows(args.data_dir, args.vocab_mapping_dir, verifier_hash, hidden)
     train_idx, val_idx = split_rows(len(files), args.val_ratio, args.seed)
     attn = "sdpa" if args.attn_impl == "auto" else args.attn_impl  # sdpa measured faster than flex (docs/benchmarks.md)
-    if args.compile and on_gpu and os.environ.get("EAGLE3_WARM_POOL") == "1":
+    if args.compile and on_gpu:  # inductor's compile workers start while the draft is built (~3 s sooner to the first step)
         from torch._inductor.async_compile import maybe_warm_pool
-        maybe_warm_pool()  # inductor's compile workers start while the draft is built, not on the first step
+        maybe_warm_pool()
     t_build = time.time()
     model = build_draft(verifier, aux, args.vocab_mapping_dir, args.ttt_steps, attn, args.trust_remote_code, device=device)
     if on_gpu:  # frozen verifier pieces in bf16 once, rather than an autocast copy of them every step
@@ -357,8 +397,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     elif args.resume:
         log.info(f"--resume: no checkpoint in {args.output_dir}; starting fresh")
 
-    if args.compile:
-        model.forward = torch.compile(model.forward)
+    raw_model = model
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -370,26 +409,32 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     fwd_kwargs = {"ttt_steps": args.ttt_steps, "ttt_step_loss_decay": args.ttt_loss_decay, "loss_config": loss_config}
 
-    def forward(batch, noise: bool):
+    def forward(batch, noise: bool, fn=None):
         hs = batch["hidden_states"]
         if noise and args.noise_std > 0:  # augmentation of the train split only
             hs = hs + args.noise_std * torch.randn_like(hs)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
-            _, loss, metrics = model(
+            _, loss, metrics = (fn or model)(
                 hidden_states=hs, input_ids=batch["input_ids"], document_ids=batch["document_ids"],
                 loss_mask=batch["loss_mask"], position_ids=batch["position_ids"],
                 verifier_last_hidden_states=batch["verifier_last_hidden_states"], **fwd_kwargs)
         return loss, metrics
 
+    compiler = Compiler(raw_model, lambda fn, batch: forward(batch, noise=False, fn=fn)[0],
+                        wait=args.compile_wait or world > 1, announce=rank == 0) if args.compile else None
+
     @torch.no_grad()
     def evaluate() -> dict | None:
         if not val_idx:
             return None
+        if compiler:  # the compile thread traces in train mode
+            compiler.finish(step)
         model.eval()
         sums: dict = {}
         batches = epoch_batches([lengths[i] for i in val_idx], args.max_seq_len, 0, 0, rank, world)
         for batch in packed([[val_idx[i] for i in b] for b in batches]):
-            add_metrics(sums, forward(batch, noise=False)[1])
+            # eager: a compiled no-grad graph would be a second compile (silent, ~20 s cold) for a few batches
+            add_metrics(sums, forward(batch, noise=False, fn=compiler.eager if compiler else None)[1])
         model.train()
         return summarize(sums, args.ttt_steps)
 
@@ -424,14 +469,18 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     t_loop = time.time()
     t_last, tokens_since, sums, first_step_logged = time.time(), 0, {}, False
     stop = False
-    if rank == 0 and args.compile:
-        log.info("torch.compile is running on the first step; this takes a while")
+    if rank == 0 and compiler:
+        log.info("torch.compile starts on the first batch" + (
+            "; the first step waits for it" if compiler.wait else ", beside eager steps until it is ready"))
     while epoch < args.epochs and not stop:
         batches = epoch_batches(train_lengths, args.max_seq_len, args.seed, epoch, rank, world)
         micro = batches[step_in_epoch * args.grad_accum:]
         for k, batch in enumerate(packed([[train_idx[i] for i in b] for b in micro])):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, total_steps, args)
+            if compiler:
+                compiler.start(batch, step)
+                compiler.finish(step, block=False)
             loss, metrics = forward(batch, noise=True)
             (loss / args.grad_accum).backward()
             add_metrics(sums, metrics)
@@ -445,7 +494,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
             step_in_epoch += 1
             if not first_step_logged and rank == 0:
                 log.info(f"first step done {time.time() - LAUNCH:.1f}s after launch, {time.time() - t_loop:.1f}s "
-                         f"after the loop started{compile_note() if args.compile else ''}")
+                         f"after the loop started")
                 first_step_logged = True
             if step % args.log_every == 0 or step == total_steps:
                 dt = time.time() - t_last
@@ -472,6 +521,8 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
             checkpoint(f"epoch_{epoch}", validate(f"epoch {epoch}", epoch))
     if stop:
         checkpoint(f"step_{step}", validate(f"step {step}", epoch + 1))
+    if compiler:  # a run shorter than the compile: let its thread end before the process does
+        compiler.finish(step)
     if world > 1:
         torch.distributed.destroy_process_group()
     return f"trained {step} steps; best val loss {best_val:.4f}; checkpoints in {args.output_dir}/checkpoints"

@@ -114,23 +114,29 @@ def test_packed_batches_match_speculators_collate(data_dir, hs_dir):
 
 @pytest.mark.slow
 def test_compiled_forward_trains_what_eager_trains(tmp_path, data_dir):
-    """--compile (torch.compile of speculators' forward with our sync-free accuracy counts) gives the
-    eager losses and accuracies, traces the whole forward as one graph (no graph break, no recompile
-    at each TTT step), and says in the log that it is compiling and how long that took."""
-    runs = {}
-    for flags in ([], ["--compile"]):
-        out = tmp_path / ("compiled" if flags else "eager")
+    """--compile --compile-wait (torch.compile of speculators' forward with our sync-free accuracy counts,
+    before the first step) gives the eager losses and accuracies, traces the whole forward as one graph
+    (no graph break, no recompile at each TTT step), and says in the log how long compiling took.
+    Plain --compile starts with eager steps and switches to the compiled forward when it is built."""
+    runs, logs = {}, {}
+    for name, flags in [("eager", []), ("compiled", ["--compile", "--compile-wait"]), ("beside", ["--compile"])]:
+        out = tmp_path / name
         proc = stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--max-steps", 3, "--log-every", 1,
                      "--val-ratio", 0, "--max-seq-len", 512, "--lr", 1e-3, *flags,
                      env={"TORCH_LOGS": "graph_breaks,recompiles"})
-        runs[bool(flags)] = records(out, "train")
-    assert "Graph break" not in proc.stderr and "Recompiling" not in proc.stderr, proc.stderr[-3000:]
-    assert "torch.compile is running" in proc.stdout
-    assert re.search(r"includes torch.compile: [\d.]+s tracing and compiling the forward, [\d.]+s the backward", proc.stdout)
-    assert len(runs[True]) == len(runs[False]) == 3
-    for eager, compiled in zip(runs[False], runs[True]):
+        runs[name], logs[name] = records(out, "train"), proc.stdout
+        assert "Graph break" not in proc.stderr and "Recompiling" not in proc.stderr, proc.stderr[-3000:]
+    took = r"compiled forward in use from step \d+: torch.compile took [\d.]+s \([\d.]+s tracing and compiling the forward, [\d.]+s the backward\)"
+    assert "the first step waits for it" in logs["compiled"]
+    assert logs["compiled"].index("compiled forward in use") < logs["compiled"].index("first step done")
+    assert "beside eager steps until it is ready" in logs["beside"]
+    assert logs["beside"].index("first step done") < logs["beside"].index("compiled forward in use")
+    assert re.search(took, logs["compiled"]) and re.search(took, logs["beside"])
+    assert len(runs["compiled"]) == len(runs["eager"]) == 3
+    for eager, compiled in zip(runs["eager"], runs["compiled"]):
         assert abs(eager["loss"] - compiled["loss"]) < 1e-3 * eager["loss"]
         assert all(abs(a - b) < 1e-3 for a, b in zip(eager["acc_pos"], compiled["acc_pos"]))
+    assert [r["loss"] for r in runs["beside"]] == pytest.approx([r["loss"] for r in runs["eager"]], rel=1e-3)
 
 
 def test_noise_touches_training_rows_only(tmp_path, data_dir):
