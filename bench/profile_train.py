@@ -70,9 +70,9 @@ def main():
         fwd = torch.compile(model.forward) if "compile" in variant else model.forward
         kw = dict(ttt_steps=3, ttt_step_loss_decay=1.0, loss_config=resolve_loss_config("kl_div", "eager"))
 
-        def step():
+        def step(batch=gpu):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
-                _, loss, _m = fwd(**gpu, **kw)
+                _, loss, _m = fwd(**batch, **kw)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
@@ -98,6 +98,13 @@ def main():
         dt = (time.time() - t) / args.steps
         results[variant] = {"ms_per_step": 1000 * dt, "tokens_per_s": tokens / dt, "first_step_s": first,
                             "peak_GB": torch.cuda.max_memory_allocated() / 1e9 if on_gpu else None}
+        t, n = time.time(), 0
+        for fresh in packed(batches[:args.steps]):  # the same step on each new batch from the loader, as in training
+            fresh.pop("tokens")
+            step(fresh)
+            n += 1
+        sync()
+        results[variant]["with_loader_ms_per_step"] = 1000 * (time.time() - t) / n
         print(variant, results[variant], flush=True)
         if args.out and variant == args.variants[-1]:
             os.makedirs(args.out, exist_ok=True)

@@ -497,6 +497,8 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
                          f"after the loop started")
                 first_step_logged = True
             if step % args.log_every == 0 or step == total_steps:
+                if on_gpu:  # the interval ends when its last step's work has run, not when it was queued
+                    torch.cuda.synchronize()
                 dt = time.time() - t_last
                 s = summarize(sums, args.ttt_steps)
                 history_tokens += tokens_since
