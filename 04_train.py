@@ -37,11 +37,11 @@ def build_parser():
     p.add_argument("--loss-implementation", choices=["eager", "fused"], default="eager",
                    help="on a GPU: fused (Triton) or eager; the CPU always uses eager")
     p.add_argument("--attn-impl", choices=["auto", "sdpa", "eager", "simple_flex_attention"], default="auto",
-                   help="draft attention (auto = sdpa: 1.28x flex attention on an H200, see docs/benchmarks.md)")
+                   help="draft attention (auto = sdpa: 1.68x flex attention, both compiled, on an H200, see docs/benchmarks.md)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the draft forward, on a thread beside the first (eager) steps; the loop "
-                        "switches to it when it is built, and logs how long that took (H200: 2.2x the eager tokens/s, "
-                        "see docs/benchmarks.md)")
+                        "switches to it when it is built, and logs how long that took (H200, 8B-shaped draft: "
+                        "1.5-2.2x the eager tokens/s, see docs/benchmarks.md)")
     p.add_argument("--compile-wait", action="store_true",
                    help="with --compile: compile before the first step, so every step runs compiled "
                         "(reproducible step for step; always so with several GPUs)")
