@@ -244,9 +244,9 @@ class Compiler:
     """torch.compile of the draft's forward, run once on the first batch on a thread of its own while
     the loop goes on with eager steps; the loop switches to the compiled forward when it is built.
     A cold compile took 30-40 s for an 8B-shaped draft on an H200: without this, silent time before the
-    first step that looks like a hang. Its one forward and backward run beside the eager steps, so GPU
-    memory may peak near both (measured there: 10.8 GB, against 10.7 eager and 7.9 compiled). `wait`
-    compiles before the first step instead."""
+    first step that looks like a hang. Its one forward runs beside the eager steps, so GPU memory may
+    peak near both (measured there, when it also ran a backward: 10.8 GB, against 10.7 eager and 7.9
+    compiled). `wait` compiles before the first step instead."""
 
     def __init__(self, model, call, wait: bool, announce: bool):
         self.model, self.call, self.wait, self.announce = model, call, wait, announce
@@ -257,9 +257,13 @@ class Compiler:
         try:
             if batch["input_ids"].is_cuda:  # the current GPU is per thread
                 torch.cuda.set_device(batch["input_ids"].device)
-            loss = self.call(self.compiled, batch)
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            torch.autograd.grad(loss, params, allow_unused=True)  # compiles the backward; .grad is left alone
+            # Forward only, with the backward compiled at once rather than at its first call: running a
+            # backward here would read parameters that the loop's optimizer has since updated in place.
+            # (Where torch lacks the switch, the loop's first compiled backward compiles it.)
+            config = torch._functorch.config  # noqa: SLF001
+            eager_bw = {"force_non_lazy_backward_lowering": True} if hasattr(config, "force_non_lazy_backward_lowering") else {}
+            with config.patch(eager_bw):
+                self.call(self.compiled, batch)
         except Exception as e:  # noqa: BLE001 - reported by finish(); training goes on eager
             self.error = e
 

@@ -132,6 +132,7 @@ def test_compiled_forward_trains_what_eager_trains(tmp_path, data_dir):
     assert "beside eager steps until it is ready" in logs["beside"]
     assert logs["beside"].index("first step done") < logs["beside"].index("compiled forward in use")
     assert re.search(took, logs["compiled"]) and re.search(took, logs["beside"])
+    assert "torch.compile failed" not in logs["compiled"] + logs["beside"]
     assert len(runs["compiled"]) == len(runs["eager"]) == 3
     for eager, compiled in zip(runs["eager"], runs["compiled"]):
         assert abs(eager["loss"] - compiled["loss"]) < 1e-3 * eager["loss"]
