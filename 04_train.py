@@ -82,6 +82,8 @@ def run(args):
         raise UserError(f"--val-ratio {args.val_ratio}: must be in [0, 1)")
     if args.lr <= 0:
         raise UserError(f"--lr {args.lr}: must be positive")
+    if args.compile_wait and not args.compile:
+        raise UserError("--compile-wait changes how --compile compiles: add --compile")
     args.vocab_mapping_dir = args.vocab_mapping_dir or default_vocab_dir(args.data_dir)
     os.makedirs(args.output_dir, exist_ok=True)
     if not args.resume and os.path.exists(os.path.join(args.output_dir, "checkpoints", "latest")):

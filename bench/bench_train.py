@@ -8,8 +8,8 @@ final norm) and random hidden states of real shapes in the pipeline's formats, t
   ours               04_train.py (eager forward)
   ours+compile       04_train.py --compile (eager steps until the compiled forward is built beside them)
   ours+compile-wait  04_train.py --compile --compile-wait (compiled before the first step)
-  speculators   speculators.train.trainer.Trainer with its own ArrowDataset/FileTransfer loader,
-                shift_batch, packing sampler and (on CUDA) its torch.compile'd forward
+  speculators        speculators.train.trainer.Trainer with its own ArrowDataset/FileTransfer loader,
+                     shift_batch, packing sampler and (on CUDA) its torch.compile'd forward
 each in its own process, and prints tokens/s, the ratio, MFU, peak memory and the time from launch
 to the first step. Both use sdpa attention and the eager loss (the fused loss fails inside
 torch.compile on torch 2.11). Speed does not depend on weight values.

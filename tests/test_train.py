@@ -165,6 +165,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, data_dir, hs_dir, other_verif
         (["--data-dir", empty, "--vocab-mapping-dir", data_dir / "vocab_mapping"], "no hidden_states"),
         (["--data-dir", data_dir, "--val-ratio", 0.999], "no training rows"),
         (["--data-dir", data_dir, "--scheduler", "step"], "invalid choice"),
+        (["--data-dir", data_dir, "--compile-wait"], "add --compile"),
     ]
     for args, words in cases:
         assert_user_error(stage("04_train.py", *common, *args, check=False), words)
