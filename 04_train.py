@@ -37,14 +37,15 @@ def build_parser():
     p.add_argument("--loss-implementation", choices=["eager", "fused"], default="eager",
                    help="on a GPU: fused (Triton) or eager; the CPU always uses eager")
     p.add_argument("--attn-impl", choices=["auto", "sdpa", "eager", "simple_flex_attention"], default="auto",
-                   help="draft attention (auto = sdpa: 1.68x flex attention, both compiled, on an H200, see docs/benchmarks.md)")
+                   help="draft attention (auto = sdpa: faster than flex attention, both compiled, on an H200, see docs/benchmarks.md)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the draft forward, on a thread beside the first (eager) steps; the loop "
                         "switches to it when it is built, and logs how long that took (H200, 8B-shaped draft: "
-                        "1.5-2.2x the eager tokens/s, see docs/benchmarks.md)")
+                        "1.48x the eager tokens/s, 1.45x speculators' Trainer, see docs/benchmarks.md)")
     p.add_argument("--compile-wait", action="store_true",
                    help="with --compile: compile before the first step, so every step runs compiled "
-                        "(reproducible step for step; always so with several GPUs)")
+                        "(reproducible step for step, and faster over a long run, since eager steps beside a compile run "
+                        "slowly; the first step waits ~35 s on a cold cache; always so with several GPUs)")
     p.add_argument("--val-ratio", type=float, default=0.05, help="share of rows held out for validation")
     p.add_argument("--val-every", type=int, default=0, help="also validate every N steps (0: once per epoch)")
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: once per epoch)")

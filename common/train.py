@@ -276,8 +276,9 @@ class Compiler:
         if self.wait:
             self.finish(step)
 
-    def finish(self, step: int, block: bool = True) -> None:
-        """Install the compiled forward, once it is built (waited for if `block`), for the steps after `step`."""
+    def finish(self, step: int, block: bool = True, last: bool = False) -> None:
+        """Install the compiled forward, once it is built (waited for if `block`), for the steps after `step`;
+        after the `last` step, only let the thread end."""
         if self.installed or not self.started or (not block and self.thread.is_alive()):
             return
         self.thread.join()
@@ -285,6 +286,10 @@ class Compiler:
         if self.error is not None:
             log.warning(f"torch.compile failed ({type(self.error).__name__}: {str(self.error).splitlines()[0][:300]}); "
                         "training goes on with the eager forward")
+            return
+        if last:
+            if self.announce:
+                log.info(f"torch.compile took {time.time() - self.started:.1f}s, longer than the run: all its steps were eager")
             return
         self.model.forward = self.compiled
         from torch._dynamo.utils import compile_times
@@ -530,7 +535,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     if stop:
         checkpoint(f"step_{step}", validate(f"step {step}", epoch + 1))
     if compiler:  # a run shorter than the compile: let its thread end before the process does
-        compiler.finish(step)
+        compiler.finish(step, last=True)
     if world > 1:
         torch.distributed.destroy_process_group()
     return f"trained {step} steps; best val loss {best_val:.4f}; checkpoints in {args.output_dir}/checkpoints"
