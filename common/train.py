@@ -438,8 +438,8 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     def evaluate() -> dict | None:
         if not val_idx:
             return None
-        if compiler:  # the compile thread traces in train mode
-            compiler.finish(step)
+        if compiler:  # the compile thread traces in train mode; after the last step it is only waited for
+            compiler.finish(step, last=step >= total_steps)
         model.eval()
         sums: dict = {}
         batches = epoch_batches([lengths[i] for i in val_idx], args.max_seq_len, 0, 0, rank, world)
@@ -522,18 +522,17 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
                 log_jsonl({"split": "train", "step": step, "epoch": epoch + 1, **s,
                            "lr": optimizer.param_groups[0]["lr"], "tokens_per_s": tokens_since / dt})
                 t_last, tokens_since, sums = time.time(), 0, {}
-            if args.val_every and step % args.val_every == 0:
-                validate(f"step {step}", epoch + 1)
-            if args.save_every and step % args.save_every == 0:
-                checkpoint(f"step_{step}", None)
+            val = validate(f"step {step}", epoch + 1) if args.val_every and step % args.val_every == 0 else None
             if args.max_steps and step >= args.max_steps:
                 stop = True
                 break
+            if args.save_every and step % args.save_every == 0:
+                checkpoint(f"step_{step}", val)
         else:
             epoch, step_in_epoch = epoch + 1, 0
             checkpoint(f"epoch_{epoch}", validate(f"epoch {epoch}", epoch))
-    if stop:
-        checkpoint(f"step_{step}", validate(f"step {step}", epoch + 1))
+    if stop:  # the last step's checkpoint (not a second one by --save-every), validated once
+        checkpoint(f"step_{step}", val if val is not None else validate(f"step {step}", epoch + 1))
     if compiler:  # a run shorter than the compile: let its thread end before the process does
         compiler.finish(step, last=True)
     if world > 1:
