@@ -4,11 +4,13 @@ import os
 import random
 import time
 
+import torch
+
 from common.cli import UserError, add_verifier_flags, parse_rows, run_stage, stage_parser
-from common.data import load_records, prepare_rows
+from common.data import is_held_out, load_records, normalize, prepare_rows
 from common.log import Progress, log
 from common.manifest import atomic_dir, write_manifest
-from common.verifier import load_tokenizer, resolve_verifier, tokenizer_fingerprint
+from common.verifier import load_text_config, load_tokenizer, resolve_verifier, tokenizer_fingerprint, verifier_fingerprint
 
 STAGE = "01_prepare_dataset"
 
@@ -25,6 +27,21 @@ def build_parser():
     p.add_argument("--num-samples", type=int, help="take the first N conversations (same as --rows 0-N)")
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffle of the conversation list")
     p.add_argument("--no-shuffle", action="store_true", help="keep the source order")
+    g = p.add_argument_group("regeneration: every assistant reply rewritten by the verifier, turn by turn")
+    g.add_argument("--regenerate", choices=["none", "vllm", "transformers"], default="none",
+                   help="backend that regenerates the replies (vllm: what you serve with; transformers: batched "
+                        "generate on a GPU without vLLM); kept under <data-dir>/regenerated/rows_A-B, resumable")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy replies; above 0 samples them")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling share, with --temperature > 0")
+    g.add_argument("--max-new-tokens", type=int, default=512,
+                   help="longest reply; a reply cut here ends its row, its end-of-turn token untrained, a loop cut short")
+    g.add_argument("--regen-chunk", type=int, default=1024,
+                   help="conversations per resumable part (one file each, written when the part is done)")
+    g.add_argument("--regen-batch-tokens", type=int, default=1 << 20,
+                   help="transformers: prompt+reply tokens per generate batch (GPU memory)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs the verifier is split over")
+    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="transformers: device of the verifier")
     return p
 
 
@@ -35,6 +52,17 @@ def run(args):
         raise UserError("give --rows or --num-samples, not both")
     if args.num_samples is not None and args.num_samples <= 0:
         raise UserError(f"--num-samples {args.num_samples}: must be positive")
+    if args.regenerate != "none":
+        for flag, value, ok in [("--temperature", args.temperature, args.temperature >= 0),
+                                ("--top-p", args.top_p, 0 < args.top_p <= 1),
+                                ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1),
+                                ("--regen-chunk", args.regen_chunk, args.regen_chunk >= 1),
+                                ("--regen-batch-tokens", args.regen_batch_tokens, args.regen_batch_tokens >= 1),
+                                ("--tensor-parallel-size", args.tensor_parallel_size, args.tensor_parallel_size >= 1)]:
+            if not ok:
+                raise UserError(f"{flag} {value}: out of range (see --help)")
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError(f"--device {args.device}: this machine has no CUDA GPU; use --device cpu")
     rows_range = parse_rows(args.rows)
     start = time.time()
     verifier = resolve_verifier(args.verifier_path)
@@ -53,6 +81,15 @@ def run(args):
     selected = indexed[a:b]
     log.info(f"{len(records)} conversations in {args.dataset}; preparing rows {a}-{b}")
 
+    # the fixed held-out split (common/data.py) never becomes a training row
+    selected = [(i, "held_out" if is_held_out(args.dataset, i) else r) for i, r in selected]
+    regen_counts = None
+    if args.regenerate != "none":
+        from common.regenerate import regenerate
+        selected = [(i, r if isinstance(r, str) else normalize(r)) for i, r in selected]
+        selected, regen_counts = regenerate(selected, tokenizer, verifier,
+                                            verifier_fingerprint(load_text_config(verifier, args.trust_remote_code)),
+                                            os.path.join(args.data_dir, "regenerated", f"rows_{a}-{b}"), args)
     progress = Progress(len(selected), "rows")
     rows, dropped = prepare_rows(tokenizer, selected, args.max_seq_len, on_row=progress.update)
     progress.close()
@@ -66,7 +103,8 @@ def run(args):
     assistant = sum(sum(r["loss_mask"]) for r in rows)
     counts = {"conversations": len(selected), "rows": len(rows), "total_tokens": total,
               "assistant_tokens": assistant, "dropped": dict(dropped),
-              "max_row_tokens": max(r["seq_len"] for r in rows)}
+              "max_row_tokens": max(r["seq_len"] for r in rows),
+              **({"regeneration": regen_counts} if regen_counts is not None else {})}
     out = os.path.join(args.data_dir, "prepared", f"rows_{a}-{b}")
     with atomic_dir(out) as tmp:
         ds = datasets.Dataset.from_list(rows)

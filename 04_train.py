@@ -3,6 +3,7 @@
 
 Multi-GPU: torchrun --nproc-per-node N 04_train.py ... (one process per GPU, data parallel).
 """
+import argparse
 import os
 
 from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
@@ -20,7 +21,14 @@ def build_parser():
     p.add_argument("--output-dir", default="out", help="checkpoints, metrics.jsonl, plots and the log go here")
     p.add_argument("--epochs", type=int, default=10, help="passes over the training rows")
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (overrides --epochs)")
-    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW)")
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW; with --optimizer muon its AdamW group)")
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                   help="muon: Muon on fc and the decoder layer's matrices, AdamW on the norms (speculators' default)")
+    p.add_argument("--muon-lr", type=float, help="peak lr of the Muon group (default --lr; its update is scaled to AdamW's RMS)")
+    p.add_argument("--norm-before-fc", action=argparse.BooleanOptionalAction, default=False,
+                   help="Eagle-3.1: an RMSNorm over the concatenated aux states before fc (speculators' eagle3 default)")
+    p.add_argument("--norm-output", action=argparse.BooleanOptionalAction, default=False,
+                   help="Eagle-3.1: feed the normed draft output back across TTT steps (speculators' eagle3 default)")
     p.add_argument("--min-lr-ratio", type=float, default=0.0, help="final learning rate as a share of --lr")
     p.add_argument("--scheduler", choices=["cosine", "linear", "none"], default="cosine", help="decay after warmup")
     p.add_argument("--warmup-steps", type=int, help="warmup steps (default: --warmup-ratio of all steps)")
@@ -48,6 +56,9 @@ def build_parser():
                         "slowly; the first step waits ~35 s on a cold cache; always so with several GPUs)")
     p.add_argument("--val-ratio", type=float, default=0.05, help="share of rows held out for validation")
     p.add_argument("--val-every", type=int, default=0, help="also validate every N steps (0: once per epoch)")
+    p.add_argument("--best-by", choices=["accept", "loss"], default="accept",
+                   help="which validated checkpoint `best` points at: the highest estimated acceptance length "
+                        "(1 + the summed all-correct rates per draft position), or the lowest loss")
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: once per epoch)")
     p.add_argument("--log-every", type=int, default=10, help="log a line every N steps")
     p.add_argument("--num-workers", type=int, default=4,
@@ -81,8 +92,10 @@ def run(args):
             raise UserError(f"{flag} {value}: must be at least {low}")
     if not 0 <= args.val_ratio < 1:
         raise UserError(f"--val-ratio {args.val_ratio}: must be in [0, 1)")
-    if args.lr <= 0:
-        raise UserError(f"--lr {args.lr}: must be positive")
+    if args.lr <= 0 or (args.muon_lr is not None and args.muon_lr <= 0):
+        raise UserError(f"--lr {args.lr} / --muon-lr {args.muon_lr}: must be positive")
+    if args.muon_lr is not None and args.optimizer != "muon":
+        raise UserError("--muon-lr sets the Muon group's lr: add --optimizer muon")
     if args.compile_wait and not args.compile:
         raise UserError("--compile-wait changes how --compile compiles: add --compile")
     args.vocab_mapping_dir = args.vocab_mapping_dir or default_vocab_dir(args.data_dir)

@@ -30,7 +30,7 @@ def main():
     args = p.parse_args()
     from bench_train import make_inputs
     from common.draft import build_draft
-    from common.train import PackedBatches, collect_rows, epoch_batches
+    from common.loader import PackedBatches, collect_rows, epoch_batches
     from speculators.losses import resolve_loss_config
     make_inputs(args.work, args.shape, args.rows, args.seq_len, 32000)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

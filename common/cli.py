@@ -14,7 +14,8 @@ import yaml
 from common.log import fmt_duration, log, setup_logging
 
 SECTIONS = {"01_prepare_dataset": "prepare", "02_build_vocab_mapping": "vocab",
-            "03_extract_hidden_states": "extract", "04_train": "train", "05_evaluate": "evaluate"}
+            "03_extract_hidden_states": "extract", "04_train": "train", "05_evaluate": "evaluate",
+            "export_speculators_data": "export"}
 
 
 class UserError(Exception):

@@ -9,6 +9,14 @@ from common.cli import UserError
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
             "bard": "assistant", "assistant": "assistant", "model": "assistant", "system": "system"}
 MESSAGE_COLUMNS = ("conversations", "messages", "conversation")
+# The fixed held-out split of the built-in ShareGPT source: conversations whose index in the file is a
+# multiple of this are never prepared for training (counted as `held_out`), and 05 draws its default
+# prompts from them alone, so every evaluation of every run measures on conversations no draft saw.
+HELD_OUT_EVERY = 50
+
+
+def is_held_out(dataset: str, conversation_id: int) -> bool:
+    return dataset == "sharegpt" and conversation_id % HELD_OUT_EVERY == 0
 
 
 def sharegpt_path() -> str:
@@ -88,11 +96,14 @@ def normalize(record) -> list[dict] | str:
             return "unknown_shape"
         if str(role).lower() not in ROLE_MAP or not isinstance(content, str):
             return "unknown_role"
-        messages.append({"role": ROLE_MAP[str(role).lower()], "content": content})
+        messages.append({"role": ROLE_MAP[str(role).lower()], "content": content,  # regenerated: trained_chars
+                         **({"trained_chars": turn["trained_chars"]} if turn.get("trained_chars") is not None else {})})
+    # ShareGPT splits long chats, so a fragment may open with the assistant: its leading assistant turns
+    # answer a question we do not have, and go; the rest is an ordinary conversation.
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    messages = [m for i, m in enumerate(messages) if m["role"] == "system" or i >= first_user]
     if not any(m["role"] == "assistant" for m in messages):
         return "no_assistant_turn"
-    if next(m["role"] for m in messages if m["role"] != "system") != "user":
-        return "starts_with_assistant"  # a fragment of a longer chat (ShareGPT splits long ones)
     return messages
 
 
@@ -116,7 +127,10 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
         if not (through.startswith(before) and text.startswith(through)):
             raise UserError("the verifier's chat template renders earlier turns differently as the conversation "
                             "grows (for example it drops past reasoning); the loss mask cannot be placed")
-        spans.append((len(before), len(through.rstrip())))
+        end = len(through.rstrip())
+        if m.get("trained_chars") is not None:  # a regenerated reply whose tail (or end-of-turn) is not the verifier's
+            end = through.find(m["content"], len(before)) + m["trained_chars"]
+        spans.append((len(before), end))
     return text, spans
 
 
@@ -137,11 +151,12 @@ def load_prepared(folder: str):
 
 
 def prepare_rows(tokenizer, records: list, max_seq_len: int, on_row=None):
-    """Yield row dicts and count drops by reason. `on_row` is called once per record (progress)."""
+    """Row dicts and drops counted by reason, from (conversation id, record or the reason it is
+    unusable). `on_row` is called once per record (progress)."""
     dropped = Counter()
     rows = []
     for index, record in records:
-        messages = normalize(record)
+        messages = record if isinstance(record, str) else normalize(record)
         if isinstance(messages, str):
             dropped[messages] += 1
         else:

@@ -51,7 +51,8 @@ def torch_without_graph_break():
 
 
 def build_draft(verifier: str, aux_layers: list[int], vocab_dir: str, ttt_steps: int, attn_impl: str,
-                trust_remote_code: bool = False, num_layers: int = 1, device="cpu"):
+                trust_remote_code: bool = False, num_layers: int = 1, device="cpu", norm_before_fc: bool = False,
+                norm_output: bool = False):
     """A fresh draft whose frozen embedding, final norm and lm_head come from the verifier's shards.
 
     Built on `device` directly: initialising an 8B verifier's embedding and heads on the host
@@ -59,6 +60,8 @@ def build_draft(verifier: str, aux_layers: list[int], vocab_dir: str, ttt_steps:
 
     speculators' own `from_training_args` reads the verifier config without trust_remote_code; this
     builds the same config through the pieces that take it, so Kimi-style verifiers work too.
+    `norm_before_fc` and `norm_output` are speculators' Eagle-3.1 options (an RMSNorm over the
+    concatenated aux states before fc; the normed output fed back across TTT steps); vLLM serves both.
     """
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.model import DraftVocabMixin
@@ -77,6 +80,7 @@ def build_draft(verifier: str, aux_layers: list[int], vocab_dir: str, ttt_steps:
                         "rebuild it with 02_build_vocab_mapping.py for this verifier")
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer_config, draft_vocab_size=int(d2t.numel()), norm_before_residual=True,
+        norm_before_fc=norm_before_fc, norm_output=norm_output,
         eagle_aux_hidden_state_layer_ids=list(aux_layers),
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt_steps)],

@@ -11,7 +11,7 @@ import time
 import torch
 
 from common.cli import UserError
-from common.data import load_prepared, load_records, normalize
+from common.data import HELD_OUT_EVERY, is_held_out, load_prepared, load_records, normalize
 from common.log import log
 from common.manifest import MANIFEST
 
@@ -31,11 +31,12 @@ def used_conversations(data_dir: str) -> set:
 def load_prompts(source: str, data_dir: str, num_prompts: int, max_turns: int, seed: int) -> list[list[str]]:
     """Held-out conversations as lists of user turns. Default: ShareGPT conversations that no
     training row came from; else a jsonl of {"prompt": str}, plain strings, or conversations."""
-    if source == "sharegpt":
+    if source == "sharegpt":  # the fixed held-out split, less anything a training row came from
         skip = used_conversations(data_dir)
-        records = [(i, r) for i, r in enumerate(load_records("sharegpt")) if i not in skip]
+        records = [(i, r) for i, r in enumerate(load_records("sharegpt")) if is_held_out("sharegpt", i) and i not in skip]
         random.Random(seed + 1).shuffle(records)
-        log.info(f"held-out prompts: ShareGPT conversations not among the {len(skip)} used for training")
+        log.info(f"held-out prompts: ShareGPT's held-out split (every {HELD_OUT_EVERY}th conversation, "
+                 f"{len(records)} of them), none among the {len(skip)} used for training")
     else:
         if not os.path.exists(source):
             raise UserError(f"--prompts {source}: file not found")
@@ -173,9 +174,10 @@ class ChainSimulator:
         for layer in d.layers:
             h = layer(h, attention_mask=None, position_ids=positions, past_key_values=cache,
                       cache_position=cache_position, position_embeddings=pos_emb)
-        logits = d.lm_head(d.norm(h))[0]
-        draft_ids = logits.argmax(-1)
-        return h[0], draft_ids + d.d2t.to(self.device)[draft_ids]
+        normed = d.norm(h)
+        draft_ids = d.lm_head(normed)[0].argmax(-1)
+        out = normed if d.config.norm_output else h  # Eagle-3.1 feeds the normed state to the next step
+        return out[0], draft_ids + d.d2t.to(self.device)[draft_ids]
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new: int, k: int, eos: int, stats: dict) -> list[int]:
@@ -190,7 +192,8 @@ class ChainSimulator:
         while len(out) < max_new and out[-1] != eos:
             # first draft step over newly verified positions: state of p + token p+1
             m = len(seq) - 1
-            hidden = self.draft.fc(aux_states[drafted:m])
+            aux_in = aux_states[drafted:m]
+            hidden = self.draft.fc(aux_in if self.draft.input_norm is None else self.draft.input_norm(aux_in))
             h, ids = self._draft_step(hidden, seq[drafted + 1: m + 1], drafted, dcache)
             drafted = m
             proposals, last_h = [int(ids[-1])], h[-1:]

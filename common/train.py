@@ -1,225 +1,75 @@
-"""Stage 04: train the EAGLE-3 draft on extracted hidden states.
-
-Batches are packed by speculators' own sampler and laid out exactly as its shift_batch and CollateFn
-lay them out (tests/test_train.py checks this), so our loop trains what its trainer trains.
-"""
+"""Stage 04: train the EAGLE-3 draft on extracted hidden states (the loop; the data is in
+common/loader.py, the background compile in common/compiler.py, checkpoints in common/checkpoint.py)."""
 import json
 import math
 import os
-import queue
-import random
-import shutil
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import torch
 
+from common.checkpoint import rng_state, save_checkpoint, set_rng_state
 from common.cli import UserError
-from common.data import load_prepared
-from common.draft import build_draft, save_servable, trainable_state
-from common.extract import row_file
+from common.compiler import Compiler
+from common.draft import build_draft
+from common.loader import PackedBatches, collect_rows, epoch_batches, split_rows
 from common.log import LAUNCH, fmt_duration, log, memory_summary
-from common.manifest import atomic_write_json, find_stage_dirs, read_manifest, sha256_json
-
-
-# ---------------------------------------------------------------- data
-
-SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64}
-
-
-def safetensors_header(f) -> tuple[dict, int]:
-    """The header of an open safetensors file and the offset its data starts at."""
-    header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    return header, f.tell()
-
-
-def read_prefix(path: str, names: dict[str, torch.Tensor]) -> None:
-    """Read the first rows of each named tensor of a safetensors file straight into the given
-    (pinned) buffers, whose first dimension says how many: no intermediate copies."""
-    with open(path, "rb") as f:
-        header, base = safetensors_header(f)
-        for name, out in names.items():
-            meta = header[name]
-            if SAFETENSORS_DTYPES[meta["dtype"]] != out.dtype or meta["shape"][1:] != list(out.shape[1:]):
-                raise UserError(f"{path}: {name} is {meta['dtype']} {meta['shape']}, expected {out.dtype} "
-                                f"[*, {', '.join(map(str, out.shape[1:]))}]; rerun 03_extract_hidden_states.py")
-            if meta["shape"][0] < out.shape[0]:
-                raise UserError(f"{path}: {name} holds {meta['shape'][0]} tokens, its manifest says at least "
-                                f"{out.shape[0]}; rerun 03_extract_hidden_states.py")
-            f.seek(base + meta["data_offsets"][0])
-            f.readinto(out.view(torch.uint8).numpy())
-
-
-class PackedBatches:
-    """Packed training sequences of extracted rows, in speculators' layout (its shift_batch, then
-    its CollateFn: rows shifted by one token, concatenated, cut and zero-padded to max_len).
-
-    Rows are read by `threads` threads straight into a ring of pinned host buffers, copied to the
-    device whole and laid out there: its DataLoader path makes five host copies of each 67 MB
-    batch (an 8B verifier, 2048 tokens), which measured slower than the training step itself.
-    """
-
-    def __init__(self, files, lengths, n_aux: int, hidden: int, max_len: int, device, dtype, threads: int,
-                 buffers: int = 3):
-        self.files, self.lengths, self.n_aux, self.hidden = files, lengths, n_aux, hidden
-        self.max_len, self.device, self.dtype = max_len, device, dtype
-        with open(files[0], "rb") as f:
-            self.file_dtype = SAFETENSORS_DTYPES[safetensors_header(f)[0]["hidden_states"]["dtype"]]
-        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="rows-read")
-        self.free: queue.Queue = queue.Queue()
-        for _ in range(buffers):
-            self.free.put(None)  # buffers are made on first use, sized to the batch
-
-    def _plan(self, rows: list[int]):
-        """Which rows, and how many shifted tokens of each, fit in max_len."""
-        plan, used = [], 0
-        for r in rows:
-            take = min(self.lengths[r], self.max_len - used)
-            if take <= 0:
-                break
-            plan.append((r, take))
-            used += take
-        return plan
-
-    def _buffer(self, old, raw_tokens: int):
-        if old is not None and old["states"].shape[0] >= raw_tokens:
-            if old["release"] is not None:
-                old["release"].synchronize()  # its last copy to the device is done
-            return old
-        pin = self.device.type == "cuda"
-        cap = max(raw_tokens, self.max_len + 64)
-        return {"states": torch.empty(cap, self.n_aux + 1, self.hidden, dtype=self.file_dtype, pin_memory=pin),
-                "ids": torch.empty(cap, dtype=torch.int64, pin_memory=pin),
-                "mask": torch.empty(cap, dtype=torch.int64, pin_memory=pin),
-                "layout": torch.empty(3, self.max_len, dtype=torch.int64, pin_memory=pin), "release": None}
-
-    def _fill(self, rows: list[int]):
-        plan = self._plan(rows)
-        buf = self._buffer(self.free.get(), sum(take + 1 for _, take in plan))
-        starts = np.cumsum([0] + [take + 1 for _, take in plan])
-        list(self.pool.map(lambda job: read_prefix(self.files[job[0][0]], {
-            "hidden_states": buf["states"][job[1]:job[1] + job[0][1] + 1],
-            "token_ids": buf["ids"][job[1]:job[1] + job[0][1] + 1],
-            "loss_mask": buf["mask"][job[1]:job[1] + job[0][1] + 1]}), zip(plan, starts)))
-        takes = [take for _, take in plan]
-        n = sum(takes)
-        # Shifted token k of row j pairs aux states at raw position start_j + k with the token,
-        # loss mask and last-layer state at start_j + k + 1. Written into the pinned buffer: a
-        # copy from pageable memory would make the host wait for the GPU every step.
-        if plan:
-            layout = buf["layout"][:, :n].numpy()
-            layout[0] = np.concatenate([np.arange(s, s + t) for s, t in zip(starts, takes)])
-            layout[1] = np.concatenate([np.arange(1, t + 1) for t in takes])
-            layout[2] = np.repeat(np.arange(len(takes)), takes)
-        return buf, int(starts[-1]), n
-
-    def _assemble(self, buf, raw: int, n: int) -> dict:
-        dev, L = self.device, self.max_len
-        states = buf["states"][:raw].to(dev, non_blocking=True)
-        ids, mask = buf["ids"][:raw].to(dev, non_blocking=True), buf["mask"][:raw].to(dev, non_blocking=True)
-        src, pos, doc = buf["layout"][:, :n].to(dev, non_blocking=True)
-        if dev.type == "cuda":  # the host buffer may be refilled once these copies are done
-            buf["release"] = torch.cuda.Event()
-            buf["release"].record()
-
-        def padded(values, fill=0):
-            out = torch.full((1, L, *values.shape[1:]), fill, dtype=values.dtype, device=dev)
-            out[0, :n] = values
-            return out
-        return {"hidden_states": padded(states[src, :self.n_aux].flatten(1).to(self.dtype)),
-                "verifier_last_hidden_states": padded(states[src + 1, self.n_aux].to(self.dtype)),
-                "input_ids": padded(ids[src + 1]), "loss_mask": padded(mask[src + 1]),
-                "position_ids": padded(pos), "document_ids": padded(doc, -1), "tokens": n}
-
-    def __call__(self, batches: list[list[int]]):
-        """Yield each batch of row indices as device tensors; the next batches are read meanwhile."""
-        pending: queue.Queue = queue.Queue(maxsize=1)
-        stop = threading.Event()
-
-        def produce():
-            try:
-                for rows in batches:
-                    if stop.is_set():
-                        return
-                    pending.put(self._fill(rows))
-                pending.put(None)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-                pending.put(e)
-
-        producer = threading.Thread(target=produce, daemon=True, name="rows-pack")
-        producer.start()
-        try:
-            while (item := pending.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                batch = self._assemble(*item)
-                self.free.put(item[0])
-                yield batch
-        finally:  # stopped early: let the producer finish, and its buffers return to the ring
-            stop.set()
-            while producer.is_alive() or not pending.empty():
-                try:
-                    item = pending.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-                if isinstance(item, tuple):
-                    self.free.put(item[0])
-
-
-def collect_rows(data_dirs, vocab_dir: str, verifier_hash: str, hidden_size: int):
-    """Files and lengths of every extracted row, after checking the upstream manifests agree."""
-    folders = find_stage_dirs(data_dirs, "hidden_states", "hidden_states")
-    manifests = [read_manifest(f, "hidden_states") for f in folders]
-    aux = manifests[0]["aux_layers"]
-    for folder, m in zip(folders, manifests):
-        if m["aux_layers"] != aux:
-            raise UserError(f"{folder} holds aux layers {m['aux_layers']} but {folders[0]} holds {aux}; train on one set")
-        if m["hidden_size"] != hidden_size or m["inputs"]["verifier_hash"] != verifier_hash:
-            raise UserError(f"{folder} holds states of another verifier (hidden size {m['hidden_size']}, "
-                            f"{m['num_hidden_layers']} layers) than --verifier-path; rerun 03_extract_hidden_states.py")
-    vm = read_manifest(vocab_dir, "vocab_mapping")
-    tok_hashes = {m["inputs"]["tokenizer_hash"] for m in manifests}
-    if tok_hashes != {vm["inputs"]["tokenizer_hash"]}:
-        raise UserError(f"{vocab_dir} was built for another tokenizer than the hidden states; rerun 02_build_vocab_mapping.py")
-    files, lengths = [], []
-    for folder, m in zip(folders, manifests):
-        for i, n in enumerate(load_prepared(m["inputs"]["prepared_dir"])["seq_len"]):
-            files.append(row_file(folder, i))
-            lengths.append(n - 1)  # after the one-token shift
-    return files, lengths, aux, folders
-
-
-def split_rows(n: int, val_ratio: float, seed: int) -> tuple[list[int], list[int]]:
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
-    n_val = math.ceil(n * val_ratio) if val_ratio > 0 else 0
-    if n - n_val < 1:
-        raise UserError(f"--val-ratio {val_ratio} leaves no training rows out of {n}; lower it")
-    return sorted(order[n_val:]), sorted(order[:n_val])
-
-
-def epoch_batches(lengths, max_len, seed, epoch, rank, world) -> list:
-    """Packed batches of row indices for one epoch: deterministic in (seed, epoch), split across ranks."""
-    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
-    sampler = MultipackDistributedBatchSamplerV2(max_len, lengths, world, rank, seed=seed)
-    sampler.set_epoch(epoch)
-    return [list(b) for b in sampler]
+from common.manifest import sha256_json
 
 
 # ---------------------------------------------------------------- schedule, metrics
 
-def lr_at(step: int, total: int, args) -> float:
-    """Linear warmup, then cosine or linear decay to --min-lr-ratio of --lr, or flat."""
+def lr_scale(step: int, total: int, args) -> float:
+    """The share of each optimizer group's peak lr at `step`: linear warmup, then cosine or linear decay
+    to --min-lr-ratio, or flat."""
     warmup = args.warmup_steps if args.warmup_steps is not None else int(args.warmup_ratio * total)
     if step < warmup:
-        return args.lr * (step + 1) / warmup
+        return (step + 1) / warmup
     if args.scheduler == "none":
-        return args.lr
+        return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     shape = 0.5 * (1 + math.cos(math.pi * progress)) if args.scheduler == "cosine" else 1 - progress
-    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * shape)
+    return args.min_lr_ratio + (1 - args.min_lr_ratio) * shape
+
+
+class Optimizers:
+    """AdamW over every trainable tensor; or, with --optimizer muon, Muon over the matrices of fc and the
+    decoder layer and AdamW over the rest (norms), split as speculators' trainer splits them. Every
+    group keeps its peak lr, which the schedule scales."""
+
+    def __init__(self, model, args, fused: bool):
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.opts, rest = [], [p for _, p in trainable]
+        if args.optimizer == "muon":
+            from speculators.train.optimizers import split_named_params_for_muon
+            muon, adamw = split_named_params_for_muon(model)
+            self.opts.append(torch.optim.Muon([p for _, p in muon], lr=args.muon_lr or args.lr, momentum=0.95,
+                                              weight_decay=0.1, adjust_lr_fn="match_rms_adamw"))
+            rest = [p for _, p in adamw]
+        if rest:
+            self.opts.append(torch.optim.AdamW(rest, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
+                                               fused=fused))
+        for g in self.groups:
+            g["peak_lr"] = g["lr"]
+
+    @property
+    def groups(self) -> list[dict]:  # looked up each time: load_state_dict replaces the group dicts
+        return [g for opt in self.opts for g in opt.param_groups]
+
+    def set_lr_scale(self, scale: float) -> None:
+        for g in self.groups:
+            g["lr"] = g["peak_lr"] * scale
+
+    def step(self) -> None:
+        for opt in self.opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> list:
+        return [opt.state_dict() for opt in self.opts]
+
+    def load_state_dict(self, states: list) -> None:
+        for opt, state in zip(self.opts, states, strict=True):
+            opt.load_state_dict(state)
 
 
 def summarize(sums: dict, ttt_steps: int) -> dict:
@@ -238,106 +88,6 @@ def add_metrics(sums: dict, metrics: dict) -> None:
     """Accumulate on the device: reading a value each step would stall the GPU pipeline."""
     for k, v in metrics.items():
         sums[k] = sums.get(k, 0.0) + v.detach()
-
-
-class Compiler:
-    """torch.compile of the draft's forward, run once on the first batch on a thread of its own while
-    the loop goes on with eager steps; the loop switches to the compiled forward when it is built.
-    A cold compile took 30-40 s for an 8B-shaped draft on an H200: without this, silent time before the
-    first step that looks like a hang. Its one forward runs beside the eager steps, so GPU memory may
-    peak near both (measured there, when it also ran a backward: 10.8 GB, against 10.7 eager and 7.9
-    compiled). `wait` compiles before the first step instead."""
-
-    def __init__(self, model, call, wait: bool, announce: bool):
-        self.model, self.call, self.wait, self.announce = model, call, wait, announce
-        self.eager, self.compiled = model.forward, torch.compile(model.forward)
-        self.thread, self.error, self.started, self.installed = None, None, 0.0, False
-
-    def _build(self, batch):
-        try:
-            if batch["input_ids"].is_cuda:  # the current GPU is per thread
-                torch.cuda.set_device(batch["input_ids"].device)
-            # Forward only, with the backward compiled at once rather than at its first call: running a
-            # backward here would read parameters that the loop's optimizer has since updated in place.
-            # (Where torch lacks the switch, the loop's first compiled backward compiles it.)
-            config = torch._functorch.config  # noqa: SLF001
-            eager_bw = {"force_non_lazy_backward_lowering": True} if hasattr(config, "force_non_lazy_backward_lowering") else {}
-            with config.patch(eager_bw):
-                self.call(self.compiled, batch)
-        except Exception as e:  # noqa: BLE001 - reported by finish(); training goes on eager
-            self.error = e
-
-    def start(self, batch, step: int):
-        if self.started:
-            return
-        self.started = time.time()
-        self.thread = threading.Thread(target=self._build, args=(batch,), daemon=True, name="compile")
-        self.thread.start()
-        if self.wait:
-            self.finish(step)
-
-    def finish(self, step: int, block: bool = True, last: bool = False) -> None:
-        """Install the compiled forward, once it is built (waited for if `block`), for the steps after `step`;
-        after the `last` step, only let the thread end."""
-        if self.installed or not self.started or (not block and self.thread.is_alive()):
-            return
-        self.thread.join()
-        self.installed = True
-        if self.error is not None:
-            log.warning(f"torch.compile failed ({type(self.error).__name__}: {str(self.error).splitlines()[0][:300]}); "
-                        "training goes on with the eager forward")
-            return
-        if last:
-            if self.announce:
-                log.info(f"torch.compile took {time.time() - self.started:.1f}s, longer than the run: all its steps were eager")
-            return
-        self.model.forward = self.compiled
-        from torch._dynamo.utils import compile_times
-        took = dict(zip(*compile_times(repr="csv", aggregate=True)))
-        if self.announce:
-            log.info(f"compiled forward in use from step {step + 1}: torch.compile took {time.time() - self.started:.1f}s "
-                     f"({float(took.get('_compile.compile_inner', 0)):.1f}s tracing and compiling the forward, "
-                     f"{float(took.get('compile_fx.<locals>.bw_compiler', 0)):.1f}s the backward)")
-
-
-# ---------------------------------------------------------------- checkpoints
-
-def save_checkpoint(out_dir: str, name: str, model, optimizer, state: dict, is_best: bool) -> str:
-    """Write checkpoints/<name> beside a temporary name and rename; point `latest` (and `best`) at it."""
-    ckpt_root = os.path.join(out_dir, "checkpoints")
-    final = os.path.join(ckpt_root, name)
-    tmp = os.path.join(ckpt_root, f".tmp.{name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    raw = model.module if hasattr(model, "module") else model
-    save_servable(raw, tmp)
-    torch.save({"model": trainable_state(raw), "optimizer": optimizer.state_dict(), **state},
-               os.path.join(tmp, "training_state.pt"))
-    atomic_write_json(os.path.join(tmp, "run.json"), {k: v for k, v in state.items() if k not in ("rng",)})
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    for link, target in [("latest", name)] + ([("best", name)] if is_best else []):
-        tmp_link = os.path.join(ckpt_root, f".{link}.tmp")
-        if os.path.lexists(tmp_link):
-            os.remove(tmp_link)
-        os.symlink(target, tmp_link)
-        os.replace(tmp_link, os.path.join(ckpt_root, link))
-    return final
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # ---------------------------------------------------------------- the run
@@ -359,7 +109,8 @@ def setup_distributed():
 def run_fingerprint(args, aux, verifier_hash, draft_vocab) -> str:
     """What must match for --resume to continue a run."""
     return sha256_json({"verifier": verifier_hash, "aux": aux, "draft_vocab": draft_vocab, "ttt": args.ttt_steps,
-                        "max_seq_len": args.max_seq_len, "val_ratio": args.val_ratio, "seed": args.seed})
+                        "max_seq_len": args.max_seq_len, "val_ratio": args.val_ratio, "seed": args.seed,
+                        "norms": [args.norm_before_fc, args.norm_output], "optimizer": args.optimizer})
 
 
 def train(args, verifier: str, text_config, verifier_hash: str) -> str:
@@ -374,7 +125,8 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         from torch._inductor.async_compile import maybe_warm_pool
         maybe_warm_pool()
     t_build = time.time()
-    model = build_draft(verifier, aux, args.vocab_mapping_dir, args.ttt_steps, attn, args.trust_remote_code, device=device)
+    model = build_draft(verifier, aux, args.vocab_mapping_dir, args.ttt_steps, attn, args.trust_remote_code, device=device,
+                        norm_before_fc=args.norm_before_fc, norm_output=args.norm_output)
     if on_gpu:  # frozen verifier pieces in bf16 once, rather than an autocast copy of them every step
         for frozen in (model.embed_tokens, model.lm_head, model.verifier_lm_head, model.verifier_norm):
             frozen.to(torch.bfloat16)
@@ -382,7 +134,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     from speculators.losses import resolve_loss_config
     loss_config = resolve_loss_config(args.loss, args.loss_implementation if on_gpu else "eager")
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=on_gpu)
+    optimizer = Optimizers(model, args, fused=on_gpu)
     fingerprint = run_fingerprint(args, aux, verifier_hash, draft_vocab)
     n_params = sum(p.numel() for p in params)
     if rank == 0:
@@ -392,7 +144,9 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         log.info(f"draft built in {time.time() - t_build:.1f}s; {time.time() - LAUNCH:.1f}s since launch")
 
     # Resume: model, optimizer, schedule position, data order (epoch + batch) and RNG.
-    epoch, step_in_epoch, step, best_val, history_tokens = 0, 0, 0, float("inf"), 0
+    # `best` is the checkpoint with the highest validation estimate of the acceptance length (what
+    # serving pays for), or with --best-by loss the lowest validation loss.
+    epoch, step_in_epoch, step, best_score, history_tokens = 0, 0, 0, -float("inf"), 0
     latest = os.path.join(args.output_dir, "checkpoints", "latest")
     if args.resume and os.path.exists(latest):
         ckpt = torch.load(os.path.join(latest, "training_state.pt"), map_location="cpu", weights_only=False)
@@ -402,7 +156,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         model.load_state_dict(ckpt["model"], strict=False)
         optimizer.load_state_dict(ckpt["optimizer"])
         epoch, step_in_epoch, step = ckpt["epoch"], ckpt["step_in_epoch"], ckpt["step"]
-        best_val, history_tokens = ckpt["best_val"], ckpt["tokens"]
+        best_score, history_tokens = ckpt["best_score"], ckpt["tokens"]
         set_rng_state(ckpt["rng"])
         log.info(f"resumed from {os.path.realpath(latest)}: epoch {epoch}, step {step}")
     elif args.resume:
@@ -463,13 +217,13 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
                 f.write(json.dumps(record) + "\n")
 
     def checkpoint(name: str, val: dict | None):
-        nonlocal best_val
+        nonlocal best_score
         if rank != 0:
             return
-        val_loss = val["loss"] if val else float("inf")
-        is_best = val is not None and val_loss < best_val
-        best_val = min(best_val, val_loss)
-        state = {"epoch": epoch, "step_in_epoch": step_in_epoch, "step": step, "best_val": best_val,
+        score = -float("inf") if val is None else val["est_accept_len"] if args.best_by == "accept" else -val["loss"]
+        is_best = score > best_score
+        best_score = max(best_score, score)
+        state = {"epoch": epoch, "step_in_epoch": step_in_epoch, "step": step, "best_score": best_score,
                  "tokens": history_tokens, "fingerprint": fingerprint, "rng": rng_state(), "val": val,
                  "aux_layers": aux, "verifier": verifier, "args": vars(args)}
         path = save_checkpoint(args.output_dir, name, model, optimizer, state, is_best)
@@ -487,8 +241,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         batches = epoch_batches(train_lengths, args.max_seq_len, args.seed, epoch, rank, world)
         micro = batches[step_in_epoch * args.grad_accum:]
         for k, batch in enumerate(packed([[train_idx[i] for i in b] for b in micro])):
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, total_steps, args)
+            optimizer.set_lr_scale(lr_scale(step, total_steps, args))
             if compiler:
                 compiler.start(batch, step)
                 compiler.finish(step, block=False)
@@ -500,7 +253,6 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
                 continue
             torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
             step += 1
             step_in_epoch += 1
             if not first_step_logged and rank == 0:
@@ -517,10 +269,10 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
                 acc = "/".join(f"{a:.3f}" for a in s["acc_pos"])
                 if rank == 0:
                     log.info(f"step {step}/{total_steps} epoch {epoch + 1} loss {s['loss']:.4f} acc {acc} "
-                             f"lr {optimizer.param_groups[0]['lr']:.2e} {args.log_every / dt:.2f} steps/s "
+                             f"lr {optimizer.groups[-1]['lr']:.2e} {args.log_every / dt:.2f} steps/s "
                              f"{tokens_since / dt:,.0f} tok/s eta {fmt_duration(eta)} {memory_summary()}")
                 log_jsonl({"split": "train", "step": step, "epoch": epoch + 1, **s,
-                           "lr": optimizer.param_groups[0]["lr"], "tokens_per_s": tokens_since / dt})
+                           "lr": optimizer.groups[-1]["lr"], "tokens_per_s": tokens_since / dt})
                 t_last, tokens_since, sums = time.time(), 0, {}
             val = validate(f"step {step}", epoch + 1) if args.val_every and step % args.val_every == 0 else None
             if args.max_steps and step >= args.max_steps:
@@ -537,4 +289,5 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         compiler.finish(step, last=True)
     if world > 1:
         torch.distributed.destroy_process_group()
-    return f"trained {step} steps; best val loss {best_val:.4f}; checkpoints in {args.output_dir}/checkpoints"
+    best = f"best est. accept len {best_score:.3f}" if args.best_by == "accept" else f"best val loss {-best_score:.4f}"
+    return f"trained {step} steps; {best if val_idx else 'no validation split'}; checkpoints in {args.output_dir}/checkpoints"

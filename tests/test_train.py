@@ -80,7 +80,7 @@ def test_packed_batches_match_speculators_collate(data_dir, hs_dir):
     from speculators.train.data import CollateFn
 
     from common.draft import accuracy_counts
-    from common.train import PackedBatches, collect_rows
+    from common.loader import PackedBatches, collect_rows
     manifest = read_json(hs_dir / "manifest.json")
     files, lengths, aux, _ = collect_rows([str(data_dir)], str(data_dir / "vocab_mapping"),
                                           manifest["inputs"]["verifier_hash"], manifest["hidden_size"])

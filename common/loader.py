@@ -1,0 +1,201 @@
+"""Stage 04's data: extracted rows packed into training sequences, read ahead into pinned buffers.
+
+Batches are packed by speculators' own sampler and laid out exactly as its shift_batch and CollateFn
+lay them out (tests/test_train.py checks this), so our loop trains what its trainer trains.
+"""
+import json
+import math
+import queue
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from common.cli import UserError
+from common.data import load_prepared
+from common.extract import row_file
+from common.manifest import find_stage_dirs, read_manifest
+
+
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64}
+
+
+def safetensors_header(f) -> tuple[dict, int]:
+    """The header of an open safetensors file and the offset its data starts at."""
+    header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return header, f.tell()
+
+
+def read_prefix(path: str, names: dict[str, torch.Tensor]) -> None:
+    """Read the first rows of each named tensor of a safetensors file straight into the given
+    (pinned) buffers, whose first dimension says how many: no intermediate copies."""
+    with open(path, "rb") as f:
+        header, base = safetensors_header(f)
+        for name, out in names.items():
+            meta = header[name]
+            if SAFETENSORS_DTYPES[meta["dtype"]] != out.dtype or meta["shape"][1:] != list(out.shape[1:]):
+                raise UserError(f"{path}: {name} is {meta['dtype']} {meta['shape']}, expected {out.dtype} "
+                                f"[*, {', '.join(map(str, out.shape[1:]))}]; rerun 03_extract_hidden_states.py")
+            if meta["shape"][0] < out.shape[0]:
+                raise UserError(f"{path}: {name} holds {meta['shape'][0]} tokens, its manifest says at least "
+                                f"{out.shape[0]}; rerun 03_extract_hidden_states.py")
+            f.seek(base + meta["data_offsets"][0])
+            f.readinto(out.view(torch.uint8).numpy())
+
+
+class PackedBatches:
+    """Packed training sequences of extracted rows, in speculators' layout (its shift_batch, then
+    its CollateFn: rows shifted by one token, concatenated, cut and zero-padded to max_len).
+
+    Rows are read by `threads` threads straight into a ring of pinned host buffers, copied to the
+    device whole and laid out there: its DataLoader path makes five host copies of each 67 MB
+    batch (an 8B verifier, 2048 tokens), which measured slower than the training step itself.
+    """
+
+    def __init__(self, files, lengths, n_aux: int, hidden: int, max_len: int, device, dtype, threads: int,
+                 buffers: int = 3):
+        self.files, self.lengths, self.n_aux, self.hidden = files, lengths, n_aux, hidden
+        self.max_len, self.device, self.dtype = max_len, device, dtype
+        with open(files[0], "rb") as f:
+            self.file_dtype = SAFETENSORS_DTYPES[safetensors_header(f)[0]["hidden_states"]["dtype"]]
+        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="rows-read")
+        self.free: queue.Queue = queue.Queue()
+        for _ in range(buffers):
+            self.free.put(None)  # buffers are made on first use, sized to the batch
+
+    def _plan(self, rows: list[int]):
+        """Which rows, and how many shifted tokens of each, fit in max_len."""
+        plan, used = [], 0
+        for r in rows:
+            take = min(self.lengths[r], self.max_len - used)
+            if take <= 0:
+                break
+            plan.append((r, take))
+            used += take
+        return plan
+
+    def _buffer(self, old, raw_tokens: int):
+        if old is not None and old["states"].shape[0] >= raw_tokens:
+            if old["release"] is not None:
+                old["release"].synchronize()  # its last copy to the device is done
+            return old
+        pin = self.device.type == "cuda"
+        cap = max(raw_tokens, self.max_len + 64)
+        return {"states": torch.empty(cap, self.n_aux + 1, self.hidden, dtype=self.file_dtype, pin_memory=pin),
+                "ids": torch.empty(cap, dtype=torch.int64, pin_memory=pin),
+                "mask": torch.empty(cap, dtype=torch.int64, pin_memory=pin),
+                "layout": torch.empty(3, self.max_len, dtype=torch.int64, pin_memory=pin), "release": None}
+
+    def _fill(self, rows: list[int]):
+        plan = self._plan(rows)
+        buf = self._buffer(self.free.get(), sum(take + 1 for _, take in plan))
+        starts = np.cumsum([0] + [take + 1 for _, take in plan])
+        list(self.pool.map(lambda job: read_prefix(self.files[job[0][0]], {
+            "hidden_states": buf["states"][job[1]:job[1] + job[0][1] + 1],
+            "token_ids": buf["ids"][job[1]:job[1] + job[0][1] + 1],
+            "loss_mask": buf["mask"][job[1]:job[1] + job[0][1] + 1]}), zip(plan, starts)))
+        takes = [take for _, take in plan]
+        n = sum(takes)
+        # Shifted token k of row j pairs aux states at raw position start_j + k with the token,
+        # loss mask and last-layer state at start_j + k + 1. Written into the pinned buffer: a
+        # copy from pageable memory would make the host wait for the GPU every step.
+        if plan:
+            layout = buf["layout"][:, :n].numpy()
+            layout[0] = np.concatenate([np.arange(s, s + t) for s, t in zip(starts, takes)])
+            layout[1] = np.concatenate([np.arange(1, t + 1) for t in takes])
+            layout[2] = np.repeat(np.arange(len(takes)), takes)
+        return buf, int(starts[-1]), n
+
+    def _assemble(self, buf, raw: int, n: int) -> dict:
+        dev, L = self.device, self.max_len
+        states = buf["states"][:raw].to(dev, non_blocking=True)
+        ids, mask = buf["ids"][:raw].to(dev, non_blocking=True), buf["mask"][:raw].to(dev, non_blocking=True)
+        src, pos, doc = buf["layout"][:, :n].to(dev, non_blocking=True)
+        if dev.type == "cuda":  # the host buffer may be refilled once these copies are done
+            buf["release"] = torch.cuda.Event()
+            buf["release"].record()
+
+        def padded(values, fill=0):
+            out = torch.full((1, L, *values.shape[1:]), fill, dtype=values.dtype, device=dev)
+            out[0, :n] = values
+            return out
+        return {"hidden_states": padded(states[src, :self.n_aux].flatten(1).to(self.dtype)),
+                "verifier_last_hidden_states": padded(states[src + 1, self.n_aux].to(self.dtype)),
+                "input_ids": padded(ids[src + 1]), "loss_mask": padded(mask[src + 1]),
+                "position_ids": padded(pos), "document_ids": padded(doc, -1), "tokens": n}
+
+    def __call__(self, batches: list[list[int]]):
+        """Yield each batch of row indices as device tensors; the next batches are read meanwhile."""
+        pending: queue.Queue = queue.Queue(maxsize=1)
+        stop = threading.Event()
+
+        def produce():
+            try:
+                for rows in batches:
+                    if stop.is_set():
+                        return
+                    pending.put(self._fill(rows))
+                pending.put(None)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+                pending.put(e)
+
+        producer = threading.Thread(target=produce, daemon=True, name="rows-pack")
+        producer.start()
+        try:
+            while (item := pending.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                batch = self._assemble(*item)
+                self.free.put(item[0])
+                yield batch
+        finally:  # stopped early: let the producer finish, and its buffers return to the ring
+            stop.set()
+            while producer.is_alive() or not pending.empty():
+                try:
+                    item = pending.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if isinstance(item, tuple):
+                    self.free.put(item[0])
+
+
+def collect_rows(data_dirs, vocab_dir: str, verifier_hash: str, hidden_size: int):
+    """Files and lengths of every extracted row, after checking the upstream manifests agree."""
+    folders = find_stage_dirs(data_dirs, "hidden_states", "hidden_states")
+    manifests = [read_manifest(f, "hidden_states") for f in folders]
+    aux = manifests[0]["aux_layers"]
+    for folder, m in zip(folders, manifests):
+        if m["aux_layers"] != aux:
+            raise UserError(f"{folder} holds aux layers {m['aux_layers']} but {folders[0]} holds {aux}; train on one set")
+        if m["hidden_size"] != hidden_size or m["inputs"]["verifier_hash"] != verifier_hash:
+            raise UserError(f"{folder} holds states of another verifier (hidden size {m['hidden_size']}, "
+                            f"{m['num_hidden_layers']} layers) than --verifier-path; rerun 03_extract_hidden_states.py")
+    vm = read_manifest(vocab_dir, "vocab_mapping")
+    tok_hashes = {m["inputs"]["tokenizer_hash"] for m in manifests}
+    if tok_hashes != {vm["inputs"]["tokenizer_hash"]}:
+        raise UserError(f"{vocab_dir} was built for another tokenizer than the hidden states; rerun 02_build_vocab_mapping.py")
+    files, lengths = [], []
+    for folder, m in zip(folders, manifests):
+        for i, n in enumerate(load_prepared(m["inputs"]["prepared_dir"])["seq_len"]):
+            files.append(row_file(folder, i))
+            lengths.append(n - 1)  # after the one-token shift
+    return files, lengths, aux, folders
+
+
+def split_rows(n: int, val_ratio: float, seed: int) -> tuple[list[int], list[int]]:
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    n_val = math.ceil(n * val_ratio) if val_ratio > 0 else 0
+    if n - n_val < 1:
+        raise UserError(f"--val-ratio {val_ratio} leaves no training rows out of {n}; lower it")
+    return sorted(order[n_val:]), sorted(order[:n_val])
+
+
+def epoch_batches(lengths, max_len, seed, epoch, rank, world) -> list:
+    """Packed batches of row indices for one epoch: deterministic in (seed, epoch), split across ranks."""
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    sampler = MultipackDistributedBatchSamplerV2(max_len, lengths, world, rank, seed=seed)
+    sampler.set_epoch(epoch)
+    return [list(b) for b in sampler]

@@ -1,0 +1,246 @@
+"""Regeneration (01 --regenerate): every assistant turn rewritten by the verifier itself, turn by turn.
+
+Each reply is generated from the conversation so far, whose earlier replies are already regenerated;
+the user (and system) turns stay. A draft then learns the verifier's own continuations, which are what
+it must predict at serving time. Conversations go in parts of --regen-chunk; each finished part is one
+jsonl file written atomically under <data-dir>/regenerated/rows_A-B/, so a killed run continues at the
+first missing part. Backends: vLLM (what users serve with; tensor parallel) and transformers batched
+generation (a GPU without vLLM, or the CPU at small size).
+"""
+import json
+import os
+import time
+from collections import Counter
+
+import torch
+
+from common.cli import UserError
+from common.log import Progress, log
+from common.manifest import atomic_write_json, atomic_write_text
+
+SETTINGS = "settings.json"
+LOOP_MIN_TOKENS = 32   # a tail repeating at least this long, with period <= LOOP_MAX_PERIOD, is a loop
+LOOP_MAX_PERIOD = 48
+
+
+def script(messages: list[dict]) -> list[list[dict]]:
+    """The non-assistant turns before each assistant reply, one group per reply to generate; a second
+    assistant turn in a row has no prompt of its own and goes, as do user turns after the last reply."""
+    groups, current = [], []
+    for m in messages:
+        if m["role"] != "assistant":
+            current.append({"role": m["role"], "content": m["content"]})
+        elif current:
+            groups.append(current)
+            current = []
+    return groups
+
+
+def cut_loop(ids: list[int]) -> list[int] | None:
+    """A reply whose tail repeats itself (a greedy loop) cut after two periods of the loop, or None if it
+    has no loop: two periods teach the draft that it repeats, without hundreds of copies."""
+    for period in range(1, LOOP_MAX_PERIOD + 1):
+        i = len(ids) - 1
+        while i - period >= 0 and ids[i] == ids[i - period]:
+            i -= 1
+        if len(ids) - 1 - i >= max(LOOP_MIN_TOKENS, 2 * period):
+            return ids[:i + 1 + period]  # the loop's first period starts at i + 1 - period
+    return None
+
+
+def encode(tokenizer, messages: list[dict], generation_prompt: bool = True) -> list[int]:
+    """Token ids of a rendered conversation, tokenized as 01 tokenizes its rows."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def exact_tokens(tokenizer, prompt: list[int], reply: list[int], conversation: list[dict]) -> int:
+    """How many of the reply's generated tokens the conversation's row holds, in place after the prompt."""
+    row = encode(tokenizer, conversation, generation_prompt=False)
+    if row[:len(prompt)] != prompt:
+        return 0
+    n = 0
+    while n < len(reply) and len(prompt) + n < len(row) and row[len(prompt) + n] == reply[n]:
+        n += 1
+    return n
+
+
+class TransformersGenerator:
+    """Batched generation with left padding, prompts sorted by length and batched by a token budget."""
+
+    def __init__(self, verifier: str, device: str, trust_remote_code: bool, batch_tokens: int, eos: int, pad: int):
+        from transformers import AutoModelForCausalLM
+        self.device = torch.device(device)
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(verifier, dtype=dtype, trust_remote_code=trust_remote_code)
+        self.model.to(self.device).eval()
+        self.batch_tokens, self.eos, self.pad = batch_tokens, eos, pad
+
+    @torch.no_grad()
+    def __call__(self, prompts, max_new, temperature, top_p, seeds):
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        results = [None] * len(prompts)
+        while order:
+            width = len(prompts[order[0]]) + max(max_new[i] for i in order[:1])
+            take = max(1, min(len(order), self.batch_tokens // width))
+            batch, order = order[:take], order[take:]
+            longest, new = max(len(prompts[i]) for i in batch), max(max_new[i] for i in batch)
+            ids = torch.full((len(batch), longest), self.pad, dtype=torch.long)
+            attn = torch.zeros_like(ids)
+            for row, i in enumerate(batch):
+                ids[row, longest - len(prompts[i]):] = torch.tensor(prompts[i])
+                attn[row, longest - len(prompts[i]):] = 1
+            if temperature > 0:
+                torch.manual_seed(seeds[batch[0]])
+            out = self.model.generate(
+                ids.to(self.device), attention_mask=attn.to(self.device), max_new_tokens=new,
+                do_sample=temperature > 0, temperature=temperature or None, top_p=top_p if temperature > 0 else None,
+                top_k=None, eos_token_id=self.eos, pad_token_id=self.pad)[:, longest:].tolist()
+            for row, i in enumerate(batch):
+                reply = out[row][:max_new[i]]
+                finished = self.eos in reply
+                results[i] = (reply[:reply.index(self.eos)] if finished else reply, finished)
+        return results
+
+
+class VllmGenerator:
+    def __init__(self, verifier: str, tensor_parallel_size: int, max_model_len: int, trust_remote_code: bool,
+                 eos: int):
+        from vllm import LLM
+        on_cpu = not torch.cuda.is_available()
+        self.llm = LLM(model=verifier, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+                       trust_remote_code=trust_remote_code, enforce_eager=on_cpu,
+                       dtype="float32" if on_cpu else "auto", enable_prefix_caching=True)
+        self.eos = eos
+
+    def __call__(self, prompts, max_new, temperature, top_p, seeds):
+        from vllm import SamplingParams, TokensPrompt
+        params = [SamplingParams(max_tokens=m, temperature=temperature, top_p=top_p, seed=s)
+                  for m, s in zip(max_new, seeds)]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        results = []
+        for out in outs:
+            ids, finished = list(out.outputs[0].token_ids), out.outputs[0].finish_reason == "stop"
+            results.append((ids[:-1] if ids and ids[-1] == self.eos else ids, finished))
+        return results
+
+
+def regenerate_part(generate, tokenizer, part: list, args, counts: Counter) -> list[dict]:
+    """Regenerate one part: rounds over reply positions, every conversation of the part batched per round."""
+    states = []
+    for conv_id, messages in part:
+        if isinstance(messages, str):
+            states.append({"id": conv_id, "dropped": messages})
+        else:
+            states.append({"id": conv_id, "groups": script(messages), "history": [], "open": True})
+    for turn in range(max((len(s.get("groups", [])) for s in states), default=0)):
+        active, prompts, max_new = [], [], []
+        for s in states:
+            if not s.get("open") or turn >= len(s["groups"]):
+                continue
+            history = s["history"] + s["groups"][turn]
+            ids = encode(tokenizer, history)
+            room = min(args.max_new_tokens, args.max_seq_len - len(ids))
+            if room < 1:  # no room left for a reply within --max-seq-len: the row ends here
+                s["open"] = False
+                counts["stopped_at_max_seq_len"] += 1
+                continue
+            s["pending"] = history
+            active.append(s)
+            prompts.append(ids)
+            max_new.append(room)
+        if not active:
+            break
+        seeds = [args.seed * 1_000_003 + s["id"] * 101 + turn for s in active]
+        t0, before = time.time(), counts["generated_tokens"]
+        replies = generate(prompts, max_new, args.temperature, args.top_p, seeds)
+        for s, prompt, (reply, finished) in zip(active, prompts, replies):
+            counts["replies"] += 1
+            counts["generated_tokens"] += len(reply) + finished
+            message = {"role": "assistant"}
+            if not finished:  # cut by the length limit: the row ends with it, its end-of-turn token untrained
+                counts["hit_length_limit"] += 1
+                cut = cut_loop(reply)
+                if cut is not None:
+                    counts["looping"] += 1
+                    reply = cut
+                s["open"] = False
+            message["content"] = tokenizer.decode(reply, skip_special_tokens=True)
+            if not message["content"].strip():
+                counts["empty_reply"] += 1
+                s["open"] = False
+                continue
+            # The row is the whole conversation tokenized from its text (01's chat-template path): a reply
+            # that does not survive decode + encode (the verifier may emit a non-canonical split) is
+            # trained only up to where the row still holds the generated tokens.
+            s["history"] = s.pop("pending") + [message]
+            exact = exact_tokens(tokenizer, prompt, reply, s["history"])
+            if exact < len(reply):
+                counts["retokenized_replies"] += 1
+                prefix = tokenizer.decode(reply[:exact], skip_special_tokens=True)
+                message["trained_chars"] = len(prefix) if message["content"].startswith(prefix) else 0
+            elif not finished:
+                message["trained_chars"] = len(message["content"])
+        log.info(f"  reply {turn + 1}: {len(active)} conversations, "
+                 f"{(counts['generated_tokens'] - before) / max(time.time() - t0, 1e-9):,.0f} generated tok/s")
+    out = []
+    for s in states:
+        if "dropped" in s:
+            out.append({"id": s["id"], "dropped": s["dropped"]})
+        elif any(m["role"] == "assistant" for m in s["history"]):
+            out.append({"id": s["id"], "messages": s["history"]})
+        else:
+            out.append({"id": s["id"], "dropped": "no_regenerated_reply"})
+    return out
+
+
+def regenerate(records: list, tokenizer, verifier: str, verifier_hash: str, folder: str, args) -> tuple[list, dict]:
+    """(conversation id, normalized messages or a drop reason) in; the same with regenerated replies out,
+    and the counts. Finished parts under `folder` are reused."""
+    settings = {"verifier_hash": verifier_hash, "temperature": args.temperature, "top_p": args.top_p,
+                "max_new_tokens": args.max_new_tokens, "max_seq_len": args.max_seq_len, "seed": args.seed,
+                "regen_chunk": args.regen_chunk, "conversations": [i for i, _ in records]}
+    os.makedirs(folder, exist_ok=True)
+    settings_path = os.path.join(folder, SETTINGS)
+    if os.path.exists(settings_path):
+        with open(settings_path) as f:
+            same = json.load(f) == settings
+        if not same:
+            raise UserError(f"{folder} holds replies regenerated with another verifier, conversations, --temperature, "
+                            "--top-p, --max-new-tokens, --max-seq-len, --seed or --regen-chunk; delete it to regenerate")
+    else:
+        atomic_write_json(settings_path, settings)
+    parts = [records[i:i + args.regen_chunk] for i in range(0, len(records), args.regen_chunk)]
+    paths = [os.path.join(folder, f"part_{k:05d}.jsonl") for k in range(len(parts))]
+    todo = [k for k, path in enumerate(paths) if not os.path.exists(path)]
+    counts, generate = Counter(), None
+    if len(todo) < len(parts):
+        log.info(f"regeneration: {len(parts) - len(todo)} of {len(parts)} parts already done in {folder}")
+    if todo:
+        eos = tokenizer.eos_token_id
+        if args.regenerate == "vllm":
+            generate = VllmGenerator(verifier, args.tensor_parallel_size, args.max_seq_len + 8,
+                                     args.trust_remote_code, eos)
+        else:
+            generate = TransformersGenerator(verifier, args.device, args.trust_remote_code, args.regen_batch_tokens,
+                                             eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
+    start = time.time()
+    progress = Progress(sum(len(parts[k]) for k in todo), "conversations", desc="regenerated",
+                        extra=lambda: f"{counts['generated_tokens'] / max(time.time() - start, 1e-9):,.0f} generated tok/s")
+    for k in todo:
+        rows = regenerate_part(generate, tokenizer, parts[k], args, counts)
+        atomic_write_text(paths[k], "".join(json.dumps(r) + "\n" for r in rows))
+        progress.update(len(parts[k]))
+    progress.close()
+    out = []
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line)
+                out.append((r["id"], r.get("messages", r.get("dropped"))))
+    counts = dict(counts, seconds=round(time.time() - start, 1))
+    if todo:
+        log.info(f"regenerated {counts.get('replies', 0):,} replies, {counts.get('generated_tokens', 0):,} tokens in "
+                 f"{counts['seconds']:.0f}s; hit the length limit {counts.get('hit_length_limit', 0)} "
+                 f"(looping {counts.get('looping', 0)}), empty {counts.get('empty_reply', 0)}")
+    return out, counts

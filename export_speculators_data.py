@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""Lay a data dir out as `python -m speculators.train --data-path` reads it, without copying the states.
+
+speculators wants one dataset folder (input_ids, loss_mask, seq_len) with hidden_states/hs_<i>.safetensors,
+d2t-<N>.npy, t2d-<N>.npy and token_freq.pt beside it; ours keeps per-shard prepared/rows_A-B and
+hidden_states/rows_A-B folders and vocab_mapping/. This writes the merged rows (small) and links the rest:
+
+    python export_speculators_data.py --data-dir data --output-dir data/speculators
+    python -m speculators.train --data-path data/speculators --draft-vocab-size N ...
+"""
+import os
+
+import numpy as np
+
+from common.cli import UserError, run_stage, stage_parser
+from common.data import load_prepared
+from common.extract import row_file
+from common.manifest import atomic_dir, find_stage_dirs, read_manifest
+
+STAGE = "export_speculators_data"
+
+
+def build_parser():
+    p = stage_parser(STAGE, __doc__)
+    p.add_argument("--data-dir", default="data", help="data root holding prepared/, vocab_mapping/ and hidden_states/")
+    p.add_argument("--output-dir", help="the speculators data folder to write (default: <data-dir>/speculators)")
+    return p
+
+
+def run(args):
+    import datasets
+    out = os.path.abspath(args.output_dir or os.path.join(args.data_dir, "speculators"))
+    vocab = os.path.join(args.data_dir, "vocab_mapping")
+    read_manifest(vocab, "vocab_mapping")
+    folders = find_stage_dirs(args.data_dir, "hidden_states", "hidden_states")
+    shards, links = [], []
+    for folder in folders:
+        prepared = read_manifest(folder, "hidden_states")["inputs"]["prepared_dir"]
+        rows = load_prepared(prepared).select_columns(["input_ids", "loss_mask", "seq_len"])
+        missing = [i for i in range(len(rows)) if not os.path.exists(row_file(folder, i))]
+        if missing:
+            raise UserError(f"{folder} lacks {len(missing)} of its {len(rows)} rows (first: {missing[0]}); "
+                            "rerun 03_extract_hidden_states.py")
+        links += [os.path.abspath(row_file(folder, i)) for i in range(len(rows))]
+        shards.append(rows)
+    n = len(np.load(os.path.join(vocab, "d2t.npy")))
+    with atomic_dir(out) as tmp:
+        merged = datasets.concatenate_datasets(shards)
+        merged.set_format("torch")
+        merged.save_to_disk(tmp)
+        os.makedirs(os.path.join(tmp, "hidden_states"))
+        for i, target in enumerate(links):
+            os.symlink(target, os.path.join(tmp, "hidden_states", f"hs_{i}.safetensors"))
+        for name, link in [("d2t.npy", f"d2t-{n}.npy"), ("t2d.npy", f"t2d-{n}.npy"), ("token_freq.pt", "token_freq.pt")]:
+            os.symlink(os.path.abspath(os.path.join(vocab, name)), os.path.join(tmp, link))
+    return (f"wrote {out}: {len(links):,} rows from {len(folders)} folder(s), draft vocab {n}; train with "
+            f"python -m speculators.train --data-path {out} --draft-vocab-size {n} ...")
+
+
+if __name__ == "__main__":
+    run_stage(STAGE, build_parser(), run)
