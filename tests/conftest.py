@@ -72,7 +72,7 @@ def hs_dir(data_dir):
 
 
 TRAIN_ARGS = ["--epochs", 4, "--max-seq-len", 1024, "--lr", 2e-3, "--warmup-steps", 5, "--log-every", 5,
-              "--num-workers", 1, "--val-ratio", 0.1]
+              "--num-workers", 1, "--val-ratio", 0.1, "--norm-before-fc", "--norm-output"]
 
 
 @pytest.fixture(scope="session")

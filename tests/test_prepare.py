@@ -91,6 +91,9 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
         (["--rows", "0-99999999"], "only"),
         (["--rows", "20-10"], "A < B"),
         (["--max-seq-len", "0"], "--max-seq-len"),
+        (["--regenerate", "transformers", "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--regenerate", "transformers", "--device", "cuda"], "no CUDA"),
+        (["--regenerate", "sglang"], "invalid choice"),
     ]
     for args, words in cases:
         proc = stage("01_prepare_dataset.py", "--data-dir", tmp_path / "d", *args, check=False)

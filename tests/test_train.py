@@ -2,7 +2,6 @@
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +27,7 @@ def test_loss_falls_and_checkpoints_are_complete(trained):
     ckpts = trained / "checkpoints"
     assert sorted(os.listdir(ckpts)) == ["best", "epoch_1", "epoch_2", "epoch_3", "epoch_4", "latest"]
     assert os.readlink(ckpts / "latest") == "epoch_4"
-    best = min(val, key=lambda r: r["loss"])["epoch"]
+    best = max(val, key=lambda r: r["est_accept_len"])["epoch"]  # --best-by accept, the default
     assert os.readlink(ckpts / "best") == f"epoch_{best}"
     assert (trained / "training.png").stat().st_size > 10_000
 
@@ -40,6 +39,7 @@ def test_checkpoint_is_speculators_eagle3_and_reloads(trained, data_dir, hs_dir)
     ckpt = trained / "checkpoints" / "latest"
     cfg = read_json(ckpt / "config.json")
     assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["norm_before_fc"] is True and cfg["norm_output"] is True  # the fixture trains Eagle-3.1 norms
     assert cfg["eagle_aux_hidden_state_layer_ids"] == read_json(hs_dir / "manifest.json")["aux_layers"] == [2, 15, 27]
     weights = load_file(ckpt / "model.safetensors")
     assert np.array_equal(weights["d2t"].numpy(), np.load(data_dir / "vocab_mapping" / "d2t.npy"))
@@ -142,6 +142,17 @@ def test_compiled_forward_trains_what_eager_trains(tmp_path, data_dir):
     assert [r["loss"] for r in runs["beside"]] == pytest.approx([r["loss"] for r in runs["eager"]], rel=1e-3)
 
 
+def test_muon_trains_with_its_two_optimizers(tmp_path, data_dir):
+    out = tmp_path / "muon"
+    stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--optimizer", "muon", "--max-steps", 8,
+          "--lr", 2e-3, "--warmup-steps", 2, "--log-every", 2, "--num-workers", 1, "--max-seq-len", 1024)
+    state = torch.load(out / "checkpoints" / "latest" / "training_state.pt", weights_only=False)
+    assert len(state["optimizer"]) == 2  # Muon over fc and the layer's matrices, AdamW over the norms
+    assert len(state["optimizer"][0]["param_groups"][0]["params"]) >= 8
+    train = records(out, "train")
+    assert train[-1]["loss"] < train[0]["loss"]
+
+
 def test_noise_touches_training_rows_only(tmp_path, data_dir):
     runs = {}
     for noise in (0.0, 20.0):
@@ -168,6 +179,28 @@ def test_bad_input_exits_2_with_one_line(tmp_path, data_dir, hs_dir, other_verif
         (["--data-dir", data_dir, "--val-ratio", 0.999], "no training rows"),
         (["--data-dir", data_dir, "--scheduler", "step"], "invalid choice"),
         (["--data-dir", data_dir, "--compile-wait"], "add --compile"),
+        (["--data-dir", data_dir, "--muon-lr", 1e-3], "add --optimizer muon"),
+        (["--data-dir", data_dir, "--best-by", "bleu"], "invalid choice"),
     ]
     for args, words in cases:
         assert_user_error(stage("04_train.py", *common, *args, check=False), words)
+
+
+def test_speculators_reads_the_exported_data_dir(tmp_path, data_dir, hs_dir):
+    """export_speculators_data.py: speculators' own dataset class reads our rows and states as they are."""
+    import numpy as np
+    from speculators.train.data import ArrowDataset
+
+    from common.data import load_prepared
+    out = tmp_path / "spec"
+    stage("export_speculators_data.py", "--data-dir", data_dir, "--output-dir", out)
+    n = len(np.load(data_dir / "vocab_mapping" / "d2t.npy"))
+    assert (out / f"d2t-{n}.npy").exists() and (out / f"t2d-{n}.npy").exists() and (out / "token_freq.pt").exists()
+    dataset = ArrowDataset(max_len=4096, datapath=str(out), on_missing="raise")
+    prepared = load_prepared(str(data_dir / "prepared" / "rows_0-64"))
+    assert len(dataset) == len(prepared)
+    for i in (0, len(dataset) - 1):
+        item = dataset[i]
+        assert item["input_ids"].tolist() == prepared[i]["input_ids"]  # it returns SampleUnavailable on a mismatch
+        assert item["loss_mask"].tolist() == prepared[i]["loss_mask"]
+        assert item["hidden_states"].shape[-1] == 3 * read_json(hs_dir / "manifest.json")["hidden_size"]

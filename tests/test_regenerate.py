@@ -1,0 +1,126 @@
+"""01 --regenerate on the real verifier: every reply rewritten by the verifier, turn by turn; the rows'
+trained tokens are exactly its greedy continuation of the conversation so far."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from common.data import HELD_OUT_EVERY, load_prepared, load_records, normalize, prepare_rows
+from conftest import ROOT, assert_user_error, read_json, stage
+
+# short questions get short answers, so replies end by themselves and later turns are regenerated too
+QUESTIONS = [["What is 2+2? Answer with a number only.", "And 3+3?", "Thanks! Now say goodbye in one word."],
+             ["Name one colour. One word only.", "Name another one.", "Which of the two is darker?"],
+             ["Write a long essay about the history of Rome.", "Shorter please."]]
+REGEN = ["--max-seq-len", 320, "--max-new-tokens", 40, "--regen-chunk", 1, "--no-shuffle"]
+
+
+def mask_runs(mask):
+    runs, start = [], None
+    for i, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def assert_greedy(verifier, folder) -> int:
+    """Every trained span of every row is what the verifier generates greedily from the row's prefix."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.float32).eval()
+    spans = 0
+    for row in load_prepared(str(folder)):
+        ids = row["input_ids"]
+        for start, end in mask_runs(row["loss_mask"]):
+            prefix = torch.tensor([ids[:start]])
+            out = model.generate(prefix, attention_mask=torch.ones_like(prefix), max_new_tokens=end - start,
+                                 do_sample=False, eos_token_id=2, pad_token_id=2)[0, start:].tolist()
+            assert out == ids[start:end], (row["conversation_id"], start)
+            spans += 1
+    return spans
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chats") / "chats.jsonl"
+    path.write_text("".join(json.dumps({"conversations": [t for q in qs for t in (
+        {"from": "human", "value": q}, {"from": "gpt", "value": "an original reply the verifier would not write"})]})
+        + "\n" for qs in QUESTIONS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def regenerated(tmp_path_factory, chats, verifier):
+    data = tmp_path_factory.mktemp("regen")
+    stage("01_prepare_dataset.py", "--data-dir", data, "--dataset", chats, "--regenerate", "transformers", *REGEN)
+    return data
+
+
+def test_rows_hold_the_verifiers_greedy_replies_turn_by_turn(regenerated, verifier):
+    folder = regenerated / "prepared" / f"rows_0-{len(QUESTIONS)}"
+    rows = load_prepared(str(folder))
+    assert assert_greedy(verifier, folder) >= 4
+    assert max(len(mask_runs(r["loss_mask"])) for r in rows) >= 2  # later turns were regenerated too
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(verifier)
+    assert all("would not write" not in tok.decode(r["input_ids"]) for r in rows)
+    counts = read_json(folder / "manifest.json")["counts"]["regeneration"]
+    assert counts["replies"] >= 4 and counts["hit_length_limit"] >= 1  # the essay is cut at 40 tokens
+    # a reply cut by the limit ends its row, and its end-of-turn token is not trained
+    cut = [r for r in rows if r["input_ids"][mask_runs(r["loss_mask"])[-1][1] - 1] != 2]
+    assert cut and all(mask_runs(r["loss_mask"])[-1][1] == r["seq_len"] - 2 for r in cut)  # <|im_end|>\n untrained
+
+
+def test_killed_regeneration_resumes_without_redoing_parts(tmp_path, chats, regenerated):
+    args = [sys.executable, os.path.join(ROOT, "01_prepare_dataset.py"), "--data-dir", str(tmp_path),
+            "--dataset", str(chats), "--regenerate", "transformers", *map(str, REGEN)]
+    parts = tmp_path / "regenerated" / f"rows_0-{len(QUESTIONS)}"
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while proc.poll() is None and not (parts / "part_00000.jsonl").exists():
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "prepared" / f"rows_0-{len(QUESTIONS)}" / "manifest.json").exists()
+    done = sorted(p.name for p in parts.glob("part_*.jsonl"))
+    assert done and len(done) < len(QUESTIONS)
+    stamps = {name: os.stat(parts / name).st_mtime_ns for name in done}
+    log = stage(*args[1:]).stdout
+    assert f"{len(done)} of {len(QUESTIONS)} parts already done" in log
+    assert all(os.stat(parts / name).st_mtime_ns == stamps[name] for name in done)
+    rerun = load_prepared(str(tmp_path / "prepared" / f"rows_0-{len(QUESTIONS)}")).to_dict()
+    assert rerun == load_prepared(str(regenerated / "prepared" / f"rows_0-{len(QUESTIONS)}")).to_dict()
+    # other settings on the same parts are refused rather than mixed
+    assert_user_error(stage(*args[1:], "--temperature", 0.7, check=False), "delete it")
+
+
+@pytest.mark.slow
+def test_vllm_backend_gives_the_verifiers_greedy_replies(tmp_path, chats, verifier):
+    stage("01_prepare_dataset.py", "--data-dir", tmp_path, "--dataset", chats, "--regenerate", "vllm", *REGEN)
+    assert assert_greedy(verifier, tmp_path / "prepared" / f"rows_0-{len(QUESTIONS)}") >= 4
+
+
+def test_conversations_that_start_with_the_assistant_keep_their_rows(tokenizer):
+    fragments = [(i, r) for i, r in enumerate(load_records("sharegpt")[:400])
+                 if r["conversations"] and r["conversations"][0]["from"] in ("gpt", "chatgpt")][:5]
+    assert fragments
+    for _, record in fragments:
+        messages = normalize(record)
+        assert not isinstance(messages, str)
+        assert next(m["role"] for m in messages if m["role"] != "system") == "user"
+    rows, dropped = prepare_rows(tokenizer, fragments, 256)
+    assert "starts_with_assistant" not in dropped and len(rows) + sum(dropped.values()) == len(fragments)
+    assert rows
+
+
+def test_held_out_split_is_never_prepared(prepared_dir):
+    ids = load_prepared(str(prepared_dir))["conversation_id"]
+    assert all(i % HELD_OUT_EVERY for i in ids)
+    dropped = read_json(prepared_dir / "manifest.json")["counts"]["dropped"]
+    assert dropped.get("held_out", 0) >= 1  # 64 shuffled conversations of 17,671 hold one of the 354
