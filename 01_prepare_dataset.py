@@ -34,7 +34,8 @@ def build_parser():
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy replies; above 0 samples them")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling share, with --temperature > 0")
     g.add_argument("--max-new-tokens", type=int, default=512,
-                   help="longest reply; a reply cut here ends its row, its end-of-turn token untrained, a loop cut short")
+                   help="longest reply; a reply cut here is trained without the end-of-turn token after it "
+                        "(the conversation goes on), a greedy loop in it cut after two periods")
     g.add_argument("--regen-chunk", type=int, default=1024,
                    help="conversations per resumable part (one file each, written when the part is done)")
     g.add_argument("--regen-batch-tokens", type=int, default=1 << 20,

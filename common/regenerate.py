@@ -158,13 +158,12 @@ def regenerate_part(generate, tokenizer, part: list, args, counts: Counter) -> l
             counts["replies"] += 1
             counts["generated_tokens"] += len(reply) + finished
             message = {"role": "assistant"}
-            if not finished:  # cut by the length limit: the row ends with it, its end-of-turn token untrained
+            if not finished:  # cut by the length limit: its end-of-turn token is the template's, left untrained
                 counts["hit_length_limit"] += 1
                 cut = cut_loop(reply)
                 if cut is not None:
                     counts["looping"] += 1
                     reply = cut
-                s["open"] = False
             message["content"] = tokenizer.decode(reply, skip_special_tokens=True)
             if not message["content"].strip():
                 counts["empty_reply"] += 1

@@ -73,9 +73,11 @@ def test_rows_hold_the_verifiers_greedy_replies_turn_by_turn(regenerated, verifi
     assert all("would not write" not in tok.decode(r["input_ids"]) for r in rows)
     counts = read_json(folder / "manifest.json")["counts"]["regeneration"]
     assert counts["replies"] >= 4 and counts["hit_length_limit"] >= 1  # the essay is cut at 40 tokens
-    # a reply cut by the limit ends its row, and its end-of-turn token is not trained
-    cut = [r for r in rows if r["input_ids"][mask_runs(r["loss_mask"])[-1][1] - 1] != 2]
-    assert cut and all(mask_runs(r["loss_mask"])[-1][1] == r["seq_len"] - 2 for r in cut)  # <|im_end|>\n untrained
+    # a reply cut by the limit is trained without the end-of-turn token the template puts after it,
+    # and the conversation goes on (the essay's second turn is regenerated too)
+    cut = [(r, end) for r in rows for _, end in mask_runs(r["loss_mask"]) if r["input_ids"][end - 1] != 2]
+    assert cut and all(r["input_ids"][end] == 2 and not r["loss_mask"][end] for r, end in cut)
+    assert any(end < max(e for _, e in mask_runs(r["loss_mask"])) for r, end in cut)
 
 
 def test_killed_regeneration_resumes_without_redoing_parts(tmp_path, chats, regenerated):
