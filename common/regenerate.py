@@ -81,7 +81,7 @@ class TransformersGenerator:
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         results = [None] * len(prompts)
         while order:
-            width = len(prompts[order[0]]) + max(max_new[i] for i in order[:1])
+            width = len(prompts[order[0]]) + max(max_new)  # the longest prompt left, and room for any reply
             take = max(1, min(len(order), self.batch_tokens // width))
             batch, order = order[:take], order[take:]
             longest, new = max(len(prompts[i]) for i in batch), max(max_new[i] for i in batch)
