@@ -90,6 +90,8 @@ def run(args):
                              ("--ttt-steps", args.ttt_steps, 1), ("--grad-accum", args.grad_accum, 1)]:
         if value < low:
             raise UserError(f"{flag} {value}: must be at least {low}")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise UserError(f"--max-steps {args.max_steps}: must be at least 1 (leave it out to train --epochs)")
     if not 0 <= args.val_ratio < 1:
         raise UserError(f"--val-ratio {args.val_ratio}: must be in [0, 1)")
     if args.lr <= 0 or (args.muon_lr is not None and args.muon_lr <= 0):
