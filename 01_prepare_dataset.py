@@ -4,8 +4,6 @@ import os
 import random
 import time
 
-import torch
-
 from common.cli import UserError, add_verifier_flags, parse_rows, run_stage, stage_parser
 from common.data import is_held_out, load_records, normalize, prepare_rows
 from common.log import Progress, log
@@ -41,8 +39,7 @@ def build_parser():
     g.add_argument("--regen-batch-tokens", type=int, default=1 << 20,
                    help="transformers: prompt+reply tokens per generate batch (GPU memory)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs the verifier is split over")
-    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="transformers: device of the verifier")
+    g.add_argument("--device", default="auto", help="transformers: device of the verifier (auto: cuda if there is one)")
     return p
 
 
@@ -62,6 +59,9 @@ def run(args):
                                 ("--tensor-parallel-size", args.tensor_parallel_size, args.tensor_parallel_size >= 1)]:
             if not ok:
                 raise UserError(f"{flag} {value}: out of range (see --help)")
+        import torch
+        if args.device == "auto":
+            args.device = "cuda" if torch.cuda.is_available() else "cpu"
         if args.device.startswith("cuda") and not torch.cuda.is_available():
             raise UserError(f"--device {args.device}: this machine has no CUDA GPU; use --device cpu")
     rows_range = parse_rows(args.rows)

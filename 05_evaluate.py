@@ -20,7 +20,8 @@ def build_parser():
     p.add_argument("--draft-path", required=True, help="draft checkpoint (for example out/checkpoints/best)")
     p.add_argument("--compare", nargs="+", default=[], help="more draft checkpoints, evaluated on the same prompts")
     p.add_argument("--prompts", default="sharegpt",
-                   help="'sharegpt' (conversations no training row used) or a .jsonl/.json of prompts or conversations")
+                   help="'sharegpt' (ShareGPT's fixed held-out split, every 50th conversation, less any a training row "
+                        "came from) or a .jsonl/.json of prompts or conversations")
     p.add_argument("--data-dir", default="data", help="data root whose prepared rows are excluded from the prompts")
     p.add_argument("--output-dir", default="out", help="the report goes to <output-dir>/eval")
     p.add_argument("--num-prompts", type=int, default=16, help="conversations to answer")

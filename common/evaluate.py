@@ -29,8 +29,8 @@ def used_conversations(data_dir: str) -> set:
 
 
 def load_prompts(source: str, data_dir: str, num_prompts: int, max_turns: int, seed: int) -> list[list[str]]:
-    """Held-out conversations as lists of user turns. Default: ShareGPT conversations that no
-    training row came from; else a jsonl of {"prompt": str}, plain strings, or conversations."""
+    """Held-out conversations as lists of user turns. Default: ShareGPT's held-out split, less any
+    conversation a training row came from; else a jsonl of {"prompt": str}, plain strings, or conversations."""
     if source == "sharegpt":  # the fixed held-out split, less anything a training row came from
         skip = used_conversations(data_dir)
         records = [(i, r) for i, r in enumerate(load_records("sharegpt")) if is_held_out("sharegpt", i) and i not in skip]

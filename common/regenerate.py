@@ -126,6 +126,7 @@ class VllmGenerator:
 
 
 def regenerate_part(generate, tokenizer, part: list, args, counts: Counter) -> list[dict]:
+    # `counts` gathers this part's replies, tokens and cuts; they are saved with it
     """Regenerate one part: rounds over reply positions, every conversation of the part batched per round."""
     states = []
     for conv_id, messages in part:
@@ -212,7 +213,7 @@ def regenerate(records: list, tokenizer, verifier: str, verifier_hash: str, fold
     parts = [records[i:i + args.regen_chunk] for i in range(0, len(records), args.regen_chunk)]
     paths = [os.path.join(folder, f"part_{k:05d}.jsonl") for k in range(len(parts))]
     todo = [k for k, path in enumerate(paths) if not os.path.exists(path)]
-    counts, generate = Counter(), None
+    generate = None
     if len(todo) < len(parts):
         log.info(f"regeneration: {len(parts) - len(todo)} of {len(parts)} parts already done in {folder}")
     if todo:
@@ -223,21 +224,28 @@ def regenerate(records: list, tokenizer, verifier: str, verifier_hash: str, fold
         else:
             generate = TransformersGenerator(verifier, args.device, args.trust_remote_code, args.regen_batch_tokens,
                                              eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
-    start = time.time()
+    start, now = time.time(), Counter()  # `now`: what this run generated, for its rate
     progress = Progress(sum(len(parts[k]) for k in todo), "conversations", desc="regenerated",
-                        extra=lambda: f"{counts['generated_tokens'] / max(time.time() - start, 1e-9):,.0f} generated tok/s")
+                        extra=lambda: f"{now['generated_tokens'] / max(time.time() - start, 1e-9):,.0f} generated tok/s")
     for k in todo:
-        rows = regenerate_part(generate, tokenizer, parts[k], args, counts)
-        atomic_write_text(paths[k], "".join(json.dumps(r) + "\n" for r in rows))
+        part_start, part_counts = time.time(), Counter()
+        rows = regenerate_part(generate, tokenizer, parts[k], args, part_counts)
+        part_counts["seconds"] = round(time.time() - part_start, 1)
+        now.update(part_counts)
+        # the part's counts ride as its last line, so a resumed run's manifest still counts every part
+        atomic_write_text(paths[k], "".join(json.dumps(r) + "\n" for r in rows + [{"counts": part_counts}]))
         progress.update(len(parts[k]))
     progress.close()
-    out = []
+    out, counts = [], Counter()
     for path in paths:
         with open(path) as f:
             for line in f:
                 r = json.loads(line)
-                out.append((r["id"], r.get("messages", r.get("dropped"))))
-    counts = dict(counts, seconds=round(time.time() - start, 1))
+                if "counts" in r:
+                    counts.update(r["counts"])
+                else:
+                    out.append((r["id"], r.get("messages", r.get("dropped"))))
+    counts = dict(counts, seconds=round(counts["seconds"], 1))
     if todo:
         log.info(f"regenerated {counts.get('replies', 0):,} replies, {counts.get('generated_tokens', 0):,} tokens in "
                  f"{counts['seconds']:.0f}s; hit the length limit {counts.get('hit_length_limit', 0)} "

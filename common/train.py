@@ -152,7 +152,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         ckpt = torch.load(os.path.join(latest, "training_state.pt"), map_location="cpu", weights_only=False)
         if ckpt["fingerprint"] != fingerprint:
             raise UserError(f"{os.path.realpath(latest)} was trained with another verifier, layers, vocab, "
-                            "--ttt-steps, --max-seq-len, --val-ratio or --seed; use a new --output-dir")
+                            "--ttt-steps, --max-seq-len, --val-ratio, --seed, norms or --optimizer; use a new --output-dir")
         model.load_state_dict(ckpt["model"], strict=False)
         optimizer.load_state_dict(ckpt["optimizer"])
         epoch, step_in_epoch, step = ckpt["epoch"], ckpt["step_in_epoch"], ckpt["step"]

@@ -98,6 +98,10 @@ def test_killed_regeneration_resumes_without_redoing_parts(tmp_path, chats, rege
     assert all(os.stat(parts / name).st_mtime_ns == stamps[name] for name in done)
     rerun = load_prepared(str(tmp_path / "prepared" / f"rows_0-{len(QUESTIONS)}")).to_dict()
     assert rerun == load_prepared(str(regenerated / "prepared" / f"rows_0-{len(QUESTIONS)}")).to_dict()
+    # the manifest counts the parts made before the kill too
+    counts = [{k: v for k, v in read_json(d / "prepared" / f"rows_0-{len(QUESTIONS)}" / "manifest.json")["counts"][
+        "regeneration"].items() if k != "seconds"} for d in (tmp_path, regenerated)]
+    assert counts[0] == counts[1]
     # other settings on the same parts are refused rather than mixed
     assert_user_error(stage(*args[1:], "--temperature", 0.7, check=False), "delete it")
 
