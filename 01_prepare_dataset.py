@@ -37,7 +37,11 @@ def build_parser():
     g.add_argument("--regen-chunk", type=int, default=1024,
                    help="conversations per resumable part (one file each, written when the part is done)")
     g.add_argument("--regen-batch-tokens", type=int, default=1 << 20,
-                   help="transformers: prompt+reply tokens per generate batch (GPU memory)")
+                   help="transformers: prompt+reply tokens per padded batch, or of the continuous batching's KV "
+                        "cache (GPU memory)")
+    g.add_argument("--regen-batching", choices=["auto", "padded", "continuous"], default="auto",
+                   help="transformers: padded generate() batches, or continuous batching (generate_batch: paged KV "
+                        "cache, CUDA graphs; the fast one on a GPU); auto: continuous on CUDA, padded on the CPU")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs the verifier is split over")
     g.add_argument("--device", default="auto", help="transformers: device of the verifier (auto: cuda if there is one)")
     return p

@@ -106,6 +106,15 @@ def test_killed_regeneration_resumes_without_redoing_parts(tmp_path, chats, rege
     assert_user_error(stage(*args[1:], "--temperature", 0.7, check=False), "delete it")
 
 
+def test_continuous_batching_gives_the_same_rows(tmp_path, chats, regenerated):
+    """generate_batch (the GPU path: paged cache, slots refilled as replies end) writes the padded path's rows."""
+    log = stage("01_prepare_dataset.py", "--data-dir", tmp_path, "--dataset", chats, "--regenerate", "transformers",
+                "--regen-batching", "continuous", *REGEN).stdout
+    assert "continuous batching" in log
+    folder = f"prepared/rows_0-{len(QUESTIONS)}"
+    assert load_prepared(str(tmp_path / folder)).to_dict() == load_prepared(str(regenerated / folder)).to_dict()
+
+
 @pytest.mark.slow
 def test_vllm_backend_gives_the_verifiers_greedy_replies(tmp_path, chats, verifier):
     stage("01_prepare_dataset.py", "--data-dir", tmp_path, "--dataset", chats, "--regenerate", "vllm", *REGEN)
