@@ -33,20 +33,24 @@ def build_parser():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda, cpu, or auto (transformers device_map over all visible GPUs)")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"],
-                   help="compute dtype (default bfloat16 on a GPU, float32 on the CPU); files are always bf16")
+                   help="compute dtype (default bfloat16 on a GPU, float32 on the CPU); files: --hidden-states-dtype")
+    p.add_argument("--hidden-states-dtype", choices=["bf16", "fp8"], default="bf16",
+                   help="file format of the states: bf16, or fp8 (float8_e4m3fn with one float32 scale per token, "
+                        "hs-connectors' format: about half the bytes); 04 reads both")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm backend: GPUs per model")
     p.add_argument("--writer-threads", type=int, default=4, help="threads writing files while the model runs")
     p.add_argument("--force", action="store_true", help="start even if the disk looks too small for the output")
     return p
 
 
-def extract_config(text_config, aux) -> dict:
+def extract_config(text_config, aux, fp8: bool) -> dict:
     """What the files depend on; a resumed run must match it."""
     return {"verifier_hash": verifier_fingerprint(text_config), "aux_layers": aux,
-            "final_layer": text_config.num_hidden_layers, "hidden_size": text_config.hidden_size}
+            "final_layer": text_config.num_hidden_layers, "hidden_size": text_config.hidden_size,
+            **({"hidden_states_dtype": "fp8"} if fp8 else {})}  # bf16 folders of earlier versions stay valid
 
 
-def scan_existing(out, rows, n_slots, hidden_size) -> tuple[list[int], int]:
+def scan_existing(out, rows, n_slots, hidden_size, fp8) -> tuple[list[int], int]:
     """Indices still to do, and how many files found on disk were corrupt (removed, to be redone)."""
     for stale in glob.glob(os.path.join(out, "*.tmp")):
         os.remove(stale)
@@ -54,7 +58,7 @@ def scan_existing(out, rows, n_slots, hidden_size) -> tuple[list[int], int]:
     for i, row in rows.items():
         path = row_file(out, i)
         if os.path.exists(path):
-            if file_is_valid(path, row["input_ids"], n_slots, hidden_size):
+            if file_is_valid(path, row["input_ids"], n_slots, hidden_size, fp8):
                 continue
             corrupt += 1
             log.warning(f"{path} is corrupt or from another row; redoing it")
@@ -66,21 +70,24 @@ def scan_existing(out, rows, n_slots, hidden_size) -> tuple[list[int], int]:
 def extract_folder(args, prepared, verifier, text_config, aux, tok_hash):
     out = os.path.join(args.data_dir, "hidden_states", os.path.basename(prepared.rstrip("/")))
     os.makedirs(out, exist_ok=True)
-    config = extract_config(text_config, aux)
+    fp8 = args.hidden_states_dtype == "fp8"
+    config = extract_config(text_config, aux, fp8)
     cfg_path = os.path.join(out, "extract_config.json")
     if os.path.exists(cfg_path):
         with open(cfg_path) as f:
             old = json.load(f)
         if old != config:
-            raise UserError(f"{out} holds states of another verifier or other layers ({old['aux_layers']}); "
+            raise UserError(f"{out} holds states of another verifier, other layers ({old['aux_layers']}) or another "
+                            f"--hidden-states-dtype ({old.get('hidden_states_dtype', 'bf16')}); "
                             "delete it or choose another --data-dir")
     atomic_write_json(cfg_path, config)
     ds = load_prepared(prepared)
     rows = {i: {"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for i, r in enumerate(ds)}
     n_slots, hidden = len(aux) + 1, text_config.hidden_size
-    todo, corrupt = scan_existing(out, rows, n_slots, hidden)
+    todo, corrupt = scan_existing(out, rows, n_slots, hidden, fp8)
     tokens_todo = sum(len(rows[i]["input_ids"]) for i in todo)
-    bytes_per_token = n_slots * hidden * 2 + 16  # bf16 states + int64 token id and mask
+    # bf16 states (or fp8 and a float32 scale) + int64 token id and mask
+    bytes_per_token = n_slots * hidden * (1 if fp8 else 2) + (4 if fp8 else 0) + 16
     need = tokens_todo * bytes_per_token
     free = shutil.disk_usage(out).free
     log.info(f"{prepared}: {len(rows) - len(todo)} rows already done, {len(todo)} to do "
@@ -90,7 +97,7 @@ def extract_folder(args, prepared, verifier, text_config, aux, tok_hash):
                         "free space, choose another --data-dir, or pass --force")
     start = time.time()
     if todo:
-        writer = RowWriter(args.writer_threads, capacity=args.max_tokens_per_batch * n_slots * hidden)
+        writer = RowWriter(args.writer_threads, capacity=args.max_tokens_per_batch * n_slots * hidden, fp8=fp8)
         done_tokens = {"n": 0}
         progress = Progress(len(todo), "rows", extra=lambda: (
             f"{done_tokens['n'] / max(time.time() - start, 1e-9):,.0f} tok/s {writer.bytes / 1e9:.2f} GB written"))
@@ -131,7 +138,8 @@ def extract_folder(args, prepared, verifier, text_config, aux, tok_hash):
                            "tokenizer_hash": tok_hash, "prepared_dir": prepared,
                            "prepared_manifest_hash": manifest_hash(prepared)},
                    aux_layers=aux, final_layer=config["final_layer"], hidden_size=hidden,
-                   num_hidden_layers=text_config.num_hidden_layers, backend=args.backend)
+                   num_hidden_layers=text_config.num_hidden_layers, backend=args.backend,
+                   hidden_states_dtype=args.hidden_states_dtype)
     return counts
 
 

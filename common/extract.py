@@ -2,7 +2,9 @@
 
 A row's file is `hs_<i>.safetensors` (i = its index in the prepared rows_A-B folder, as speculators'
 FileTransfer reads it): `token_ids` [L] int64, `hidden_states` [L, n_aux+1, H] bf16 (aux layers in
-order, then the last decoder layer's output before the final norm), `loss_mask` [L] int64.
+order, then the last decoder layer's output before the final norm), `loss_mask` [L] int64. With
+`--hidden-states-dtype fp8`, `hidden_states` is float8_e4m3fn and `hidden_states_scales` [L, 1, 1]
+float32 holds one scale per token: hs-connectors' fp8 format (its FP8Transfer reads it for speculators).
 """
 import os
 import queue
@@ -38,25 +40,44 @@ def plan_batches(lengths: dict[int, int], max_tokens: int) -> list[list[int]]:
     return batches
 
 
-def file_is_valid(path: str, token_ids: list[int], n_slots: int, hidden_size: int) -> bool:
+SCALES = "hidden_states_scales"  # hs-connectors' name (fp8_utils.SCALES_KEY)
+
+
+def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token fp8, as hs-connectors' quantize_tensor_to_fp8: one float32 scale per token over all its
+    layers and dimensions (scale = amax / 448), so a dequantized state is fp8 * scale."""
+    fp32 = states.float()
+    scale = (fp32.abs().amax(dim=(1, 2), keepdim=True) / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+    return (fp32 / scale).to(torch.float8_e4m3fn), scale
+
+
+def file_is_valid(path: str, token_ids: list[int], n_slots: int, hidden_size: int, fp8: bool = False) -> bool:
     """A complete file of the right row: readable header, expected shapes and dtype, same tokens."""
     try:
         with safe_open(path, "pt") as f:
-            if set(f.keys()) != {"token_ids", "hidden_states", "loss_mask"}:
+            if set(f.keys()) != {"token_ids", "hidden_states", "loss_mask"} | ({SCALES} if fp8 else set()):
                 return False
             shape = f.get_slice("hidden_states").get_shape()
-            if shape != [len(token_ids), n_slots, hidden_size] or f.get_slice("hidden_states").get_dtype() != "BF16":
+            if (shape != [len(token_ids), n_slots, hidden_size]
+                    or f.get_slice("hidden_states").get_dtype() != ("F8_E4M3" if fp8 else "BF16")):
+                return False
+            if fp8 and f.get_slice(SCALES).get_shape() != [len(token_ids), 1, 1]:
                 return False
             return f.get_tensor("token_ids").tolist() == token_ids
     except Exception:  # noqa: BLE001 - any unreadable file is simply redone
         return False
 
 
-def save_row(path: str, token_ids, states: torch.Tensor, loss_mask) -> int:
+def save_row(path: str, token_ids, states: torch.Tensor, loss_mask, fp8: bool = False) -> int:
     """Write atomically (temporary name, then rename); return the bytes written."""
     tmp = f"{path}.tmp"
-    save_file({"token_ids": torch.as_tensor(token_ids, dtype=torch.int64), "hidden_states": states.contiguous(),
-               "loss_mask": torch.as_tensor(loss_mask, dtype=torch.int64)}, tmp)
+    tensors = {"token_ids": torch.as_tensor(token_ids, dtype=torch.int64),
+               "loss_mask": torch.as_tensor(loss_mask, dtype=torch.int64)}
+    if fp8:
+        tensors["hidden_states"], tensors[SCALES] = quantize_fp8(states)
+    else:
+        tensors["hidden_states"] = states.contiguous()
+    save_file(tensors, tmp)
     os.replace(tmp, path)
     return os.path.getsize(path)
 
@@ -69,7 +90,9 @@ class RowWriter:
     host memory in flight to `buffers` batches.
     """
 
-    def __init__(self, threads: int = 4, buffers: int = 3, capacity: int = 0, dtype=torch.bfloat16):
+    def __init__(self, threads: int = 4, buffers: int = 3, capacity: int = 0, dtype=torch.bfloat16,
+                 fp8: bool = False):
+        self.fp8 = fp8  # quantized on the writer threads, as hs-connectors' fp8 connector does
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="hs-write")
         self.free: queue.Queue = queue.Queue()
         self.slots = threading.Semaphore(buffers)
@@ -105,7 +128,7 @@ class RowWriter:
         def write():
             if ready is not None:
                 ready.synchronize()
-            written = sum(save_row(*job) for job in jobs)
+            written = sum(save_row(*job, fp8=self.fp8) for job in jobs)
             with self.lock:
                 self.bytes += written
             return len(jobs)

@@ -15,11 +15,12 @@ import torch
 
 from common.cli import UserError
 from common.data import load_prepared
-from common.extract import row_file
+from common.extract import SCALES, row_file
 from common.manifest import find_stage_dirs, read_manifest
 
 
-SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64}
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
+                      "F8_E4M3": torch.float8_e4m3fn}
 
 
 def safetensors_header(f) -> tuple[dict, int]:
@@ -60,6 +61,7 @@ class PackedBatches:
         self.max_len, self.device, self.dtype = max_len, device, dtype
         with open(files[0], "rb") as f:
             self.file_dtype = SAFETENSORS_DTYPES[safetensors_header(f)[0]["hidden_states"]["dtype"]]
+        self.fp8 = self.file_dtype == torch.float8_e4m3fn  # 03 --hidden-states-dtype fp8: per-token scales beside
         self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="rows-read")
         self.free: queue.Queue = queue.Queue()
         for _ in range(buffers):
@@ -86,16 +88,20 @@ class PackedBatches:
         return {"states": torch.empty(cap, self.n_aux + 1, self.hidden, dtype=self.file_dtype, pin_memory=pin),
                 "ids": torch.empty(cap, dtype=torch.int64, pin_memory=pin),
                 "mask": torch.empty(cap, dtype=torch.int64, pin_memory=pin),
-                "layout": torch.empty(3, self.max_len, dtype=torch.int64, pin_memory=pin), "release": None}
+                "layout": torch.empty(3, self.max_len, dtype=torch.int64, pin_memory=pin), "release": None,
+                **({"scales": torch.empty(cap, 1, 1, dtype=torch.float32, pin_memory=pin)} if self.fp8 else {})}
 
     def _fill(self, rows: list[int]):
         plan = self._plan(rows)
         buf = self._buffer(self.free.get(), sum(take + 1 for _, take in plan))
         starts = np.cumsum([0] + [take + 1 for _, take in plan])
-        list(self.pool.map(lambda job: read_prefix(self.files[job[0][0]], {
-            "hidden_states": buf["states"][job[1]:job[1] + job[0][1] + 1],
-            "token_ids": buf["ids"][job[1]:job[1] + job[0][1] + 1],
-            "loss_mask": buf["mask"][job[1]:job[1] + job[0][1] + 1]}), zip(plan, starts)))
+        def read(job):
+            (row, take), start = job
+            part = slice(start, start + take + 1)
+            read_prefix(self.files[row], {"hidden_states": buf["states"][part], "token_ids": buf["ids"][part],
+                                          "loss_mask": buf["mask"][part],
+                                          **({SCALES: buf["scales"][part]} if self.fp8 else {})})
+        list(self.pool.map(read, zip(plan, starts)))
         takes = [take for _, take in plan]
         n = sum(takes)
         # Shifted token k of row j pairs aux states at raw position start_j + k with the token,
@@ -113,6 +119,8 @@ class PackedBatches:
         states = buf["states"][:raw].to(dev, non_blocking=True)
         ids, mask = buf["ids"][:raw].to(dev, non_blocking=True), buf["mask"][:raw].to(dev, non_blocking=True)
         src, pos, doc = buf["layout"][:, :n].to(dev, non_blocking=True)
+        if self.fp8:  # dequantized on the device, as hs-connectors' FP8Transfer does
+            states = states.to(self.dtype) * buf["scales"][:raw].to(dev, non_blocking=True).to(self.dtype)
         if dev.type == "cuda":  # the host buffer may be refilled once these copies are done
             buf["release"] = torch.cuda.Event()
             buf["release"].record()

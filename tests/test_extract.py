@@ -67,6 +67,32 @@ def test_resume_after_kill_and_corrupt_file_redone(tmp_path, data_dir, hs_dir):
     assert f"{ROWS}" in proc.stdout and read_json(out / "manifest.json")["counts"]["extracted"] == 0
 
 
+def test_fp8_states_read_by_hs_connectors_and_trained_on(tmp_path, data_dir, hs_dir):
+    """--hidden-states-dtype fp8: about half the bytes, hs-connectors' FP8Transfer dequantizes them to the
+    bf16 states within fp8's precision, and 04 trains on them."""
+    from hs_connectors.transfer import FP8Transfer
+    shutil.copytree(data_dir / "prepared", tmp_path / "prepared")
+    shutil.copytree(data_dir / "vocab_mapping", tmp_path / "vocab_mapping")
+    stage("03_extract_hidden_states.py", "--data-dir", tmp_path, "--max-tokens-per-batch", 2048,
+          "--hidden-states-dtype", "fp8")
+    out = tmp_path / "hidden_states" / f"rows_0-{ROWS}"
+    fp8, bf16 = read_json(out / "manifest.json"), read_json(hs_dir / "manifest.json")
+    assert fp8["hidden_states_dtype"] == "fp8"
+    ratio = fp8["counts"]["bytes_per_token"] / bf16["counts"]["bytes_per_token"]
+    assert 0.45 < ratio < 0.55, ratio
+    reader = FP8Transfer(out)
+    for i in range(0, bf16["counts"]["rows"], 7):
+        a, b = reader.get_cached(i), load_file(hs_dir / f"hs_{i}.safetensors")
+        assert a is not None and a["hidden_states"].dtype == torch.bfloat16 and torch.equal(a["token_ids"], b["token_ids"])
+        cos = torch.nn.functional.cosine_similarity(a["hidden_states"].float(), b["hidden_states"].float(), dim=-1)
+        assert cos.min() > 0.99, (i, cos.min())
+    # bf16 states on the same folder are refused rather than mixed in
+    assert_user_error(stage("03_extract_hidden_states.py", "--data-dir", tmp_path, check=False), "hidden-states-dtype")
+    stage("04_train.py", "--data-dir", tmp_path, "--output-dir", tmp_path / "out", "--max-steps", 3,
+          "--max-seq-len", 1024, "--num-workers", 1)
+    assert (tmp_path / "out" / "checkpoints" / "latest").exists()
+
+
 @pytest.mark.slow
 def test_vllm_backend_matches_transformers(tmp_path, data_dir, hs_dir):
     os.makedirs(tmp_path / "prepared")
