@@ -52,8 +52,11 @@ def extract_config(text_config, aux, fp8: bool) -> dict:
 
 def scan_existing(out, rows, n_slots, hidden_size, fp8) -> tuple[list[int], int]:
     """Indices still to do, and how many files found on disk were corrupt (removed, to be redone)."""
-    for stale in glob.glob(os.path.join(out, "*.tmp")):
+    for stale in glob.glob(os.path.join(out, "*.tmp*")):  # ours (.tmp) and safetensors' own (.tmpXXXX)
         os.remove(stale)
+    for path in glob.glob(os.path.join(out, "hs_*.safetensors")):  # rows beyond a shorter rerun of 01
+        if int(os.path.basename(path)[3:-len(".safetensors")]) not in rows:
+            os.remove(path)
     todo, corrupt = [], 0
     for i, row in rows.items():
         path = row_file(out, i)
@@ -81,6 +84,14 @@ def extract_folder(args, prepared, verifier, text_config, aux, tok_hash):
                             f"--hidden-states-dtype ({old.get('hidden_states_dtype', 'bf16')}); "
                             "delete it or choose another --data-dir")
     atomic_write_json(cfg_path, config)
+    done_path = os.path.join(out, "manifest.json")
+    if os.path.exists(done_path) and read_manifest(out, "hidden_states")["inputs"]["prepared_manifest_hash"] != \
+            manifest_hash(prepared):
+        log.warning(f"{prepared} changed since {out} was extracted (01_prepare_dataset.py was rerun): "
+                    "extracting every row again")
+        os.remove(done_path)
+        for path in glob.glob(os.path.join(out, "hs_*.safetensors")):
+            os.remove(path)
     ds = load_prepared(prepared)
     rows = {i: {"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for i, r in enumerate(ds)}
     n_slots, hidden = len(aux) + 1, text_config.hidden_size
@@ -135,7 +146,7 @@ def extract_folder(args, prepared, verifier, text_config, aux, tok_hash):
               "bytes_per_token": round(total_bytes / total_tokens, 1)}
     write_manifest(out, "hidden_states", args, wall_s=wall, counts=counts,
                    inputs={"verifier_path": verifier, "verifier_hash": config["verifier_hash"],
-                           "tokenizer_hash": tok_hash, "prepared_dir": prepared,
+                           "tokenizer_hash": tok_hash, "prepared_dir": os.path.relpath(prepared, out),
                            "prepared_manifest_hash": manifest_hash(prepared)},
                    aux_layers=aux, final_layer=config["final_layer"], hidden_size=hidden,
                    num_hidden_layers=text_config.num_hidden_layers, backend=args.backend,

@@ -15,7 +15,7 @@ import numpy as np
 from common.cli import UserError, run_stage, stage_parser
 from common.data import load_prepared
 from common.extract import row_file
-from common.manifest import atomic_dir, find_stage_dirs, read_manifest
+from common.manifest import atomic_dir, extracted_from, find_stage_dirs, read_manifest
 
 STAGE = "export_speculators_data"
 
@@ -35,7 +35,7 @@ def run(args):
     folders = find_stage_dirs(args.data_dir, "hidden_states", "hidden_states")
     shards, links = [], []
     for folder in folders:
-        prepared = read_manifest(folder, "hidden_states")["inputs"]["prepared_dir"]
+        prepared = extracted_from(folder, read_manifest(folder, "hidden_states"))
         rows = load_prepared(prepared).select_columns(["input_ids", "loss_mask", "seq_len"])
         missing = [i for i in range(len(rows)) if not os.path.exists(row_file(folder, i))]
         if missing:
@@ -49,10 +49,12 @@ def run(args):
         merged.set_format("torch")
         merged.save_to_disk(tmp)
         os.makedirs(os.path.join(tmp, "hidden_states"))
+        # relative links: the data dir can be moved or copied whole with its export
         for i, target in enumerate(links):
-            os.symlink(target, os.path.join(tmp, "hidden_states", f"hs_{i}.safetensors"))
+            os.symlink(os.path.relpath(target, os.path.join(out, "hidden_states")),
+                       os.path.join(tmp, "hidden_states", f"hs_{i}.safetensors"))
         for name, link in [("d2t.npy", f"d2t-{n}.npy"), ("t2d.npy", f"t2d-{n}.npy"), ("token_freq.pt", "token_freq.pt")]:
-            os.symlink(os.path.abspath(os.path.join(vocab, name)), os.path.join(tmp, link))
+            os.symlink(os.path.relpath(os.path.abspath(os.path.join(vocab, name)), out), os.path.join(tmp, link))
     return (f"wrote {out}: {len(links):,} rows from {len(folders)} folder(s), draft vocab {n}; train with "
             f"python -m speculators.train --data-path {out} --draft-vocab-size {n} ...")
 

@@ -16,7 +16,7 @@ import torch
 from common.cli import UserError
 from common.data import load_prepared
 from common.extract import SCALES, row_file
-from common.manifest import find_stage_dirs, read_manifest
+from common.manifest import extracted_from, find_stage_dirs, read_manifest
 
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
@@ -186,7 +186,7 @@ def collect_rows(data_dirs, vocab_dir: str, verifier_hash: str, hidden_size: int
         raise UserError(f"{vocab_dir} was built for another tokenizer than the hidden states; rerun 02_build_vocab_mapping.py")
     files, lengths = [], []
     for folder, m in zip(folders, manifests):
-        for i, n in enumerate(load_prepared(m["inputs"]["prepared_dir"])["seq_len"]):
+        for i, n in enumerate(load_prepared(extracted_from(folder, m))["seq_len"]):
             files.append(row_file(folder, i))
             lengths.append(n - 1)  # after the one-token shift
     return files, lengths, aux, folders

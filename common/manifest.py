@@ -123,3 +123,20 @@ def find_stage_dirs(paths: list[str] | str, stage: str, sub: str) -> list[str]:
     for d in found:
         read_manifest(d, stage)
     return found
+
+
+def extracted_from(folder: str, manifest: dict) -> str:
+    """The prepared rows a hidden-states folder was extracted from: found by the data dir's layout
+    (<data>/hidden_states/rows_A-B beside <data>/prepared/rows_A-B), not by a stored path, so a data dir
+    that was copied or moved, or is used from another working directory, still works; and checked to
+    be the same rows, so a rerun of 01 makes the states stale instead of silently mismatched."""
+    folder = os.path.abspath(folder)
+    prepared = os.path.join(os.path.dirname(os.path.dirname(folder)), "prepared", os.path.basename(folder))
+    data = os.path.dirname(os.path.dirname(folder))
+    if not os.path.exists(os.path.join(prepared, MANIFEST)):
+        raise UserError(f"{folder}: its prepared rows {prepared} are missing; keep prepared/ beside hidden_states/ "
+                        "when copying a data dir, or rerun 01_prepare_dataset.py")
+    if manifest_hash(prepared) != manifest["inputs"]["prepared_manifest_hash"]:
+        raise UserError(f"{folder} was extracted from other rows than {prepared} holds now (01_prepare_dataset.py "
+                        f"was rerun since); rerun 03_extract_hidden_states.py --data-dir {data}")
+    return prepared

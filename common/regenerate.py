@@ -91,10 +91,14 @@ class TransformersGenerator:
         config = GenerationConfig(max_new_tokens=max(max_new), do_sample=temperature > 0, eos_token_id=self.eos,
                                   pad_token_id=self.pad, temperature=temperature or None,
                                   top_p=top_p if temperature > 0 else None, top_k=None)
-        # a KV cache of --regen-batch-tokens tokens, or of what all the requests can fill if that is less
-        pages = min(-(-self.batch_tokens // 256), sum(-(-(len(p) + max(max_new)) // 256) for p in prompts))
+        # a KV cache of --regen-batch-tokens tokens (on the CPU at most what the first call can fill, and 16K
+        # tokens); the manager (and its CUDA graphs) is kept for the later rounds rather than rebuilt each time
+        pages = -(-self.batch_tokens // 256)
+        if self.device.type == "cpu":
+            pages = min(pages, max(64, sum(-(-(len(p) + max(max_new)) // 256) for p in prompts)))
         outs = self.model.generate_batch(
-            inputs=prompts, generation_config=config, continuous_batching_config=ContinuousBatchingConfig(
+            inputs=prompts, generation_config=config, persistent_manager=True,
+            continuous_batching_config=ContinuousBatchingConfig(
                 seed=seeds[0] if temperature > 0 else None, num_blocks=pages))  # of the default 256 tokens
         if len(outs) != len(prompts):
             raise RuntimeError(f"generate_batch returned {len(outs)} of {len(prompts)} replies")

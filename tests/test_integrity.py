@@ -1,0 +1,31 @@
+"""Moved data and stale artifacts: a data dir copied elsewhere still trains on its own rows; a rerun of
+01 makes the states downstream stale, which 04 refuses (naming 03) and 03 redoes."""
+import os
+import shutil
+
+from conftest import ROWS, SEQ, assert_user_error, read_json, stage
+
+QUICK_TRAIN = ["--max-steps", 2, "--max-seq-len", 1024, "--num-workers", 1, "--val-ratio", 0.1]
+
+
+def test_copied_data_dir_trains_and_a_rerun_of_01_makes_its_states_stale(tmp_path, data_dir):
+    copy = tmp_path / "moved" / "data"
+    shutil.copytree(data_dir, copy, symlinks=True)
+    stage("04_train.py", "--data-dir", copy, "--output-dir", tmp_path / "out1", *QUICK_TRAIN)
+    hs = copy / "hidden_states" / f"rows_0-{ROWS}"
+    assert not os.path.isabs(read_json(hs / "manifest.json")["inputs"]["prepared_dir"])
+
+    # 01 again with another --max-seq-len: other rows under the same name
+    stage("01_prepare_dataset.py", "--data-dir", copy, "--num-samples", ROWS, "--max-seq-len", SEQ // 2)
+    assert_user_error(stage("04_train.py", "--data-dir", copy, "--output-dir", tmp_path / "out2", *QUICK_TRAIN,
+                            check=False), "03_extract_hidden_states.py", "rerun")
+    assert_user_error(stage("export_speculators_data.py", "--data-dir", copy, check=False),
+                      "03_extract_hidden_states.py")
+    # 03 notices and extracts every row again, leaving no file of the old rows behind
+    log = stage("03_extract_hidden_states.py", "--data-dir", copy, "--max-tokens-per-batch", 2048).stdout
+    assert "extracting every row again" in log
+    rows = read_json(copy / "prepared" / f"rows_0-{ROWS}" / "manifest.json")["counts"]["rows"]
+    assert sorted(os.listdir(hs)) == sorted([f"hs_{i}.safetensors" for i in range(rows)]
+                                            + ["manifest.json", "extract_config.json"])
+    assert read_json(hs / "manifest.json")["counts"]["extracted"] == rows
+    stage("04_train.py", "--data-dir", copy, "--output-dir", tmp_path / "out2", *QUICK_TRAIN)
