@@ -5,6 +5,7 @@ top-level keys (applied to every stage that has that flag) and optional per-stag
 (`prepare`, `vocab`, `extract`, `train`, `evaluate`) whose keys must be flags of that stage.
 """
 import argparse
+import difflib
 import os
 import sys
 import time
@@ -50,29 +51,94 @@ def parse_rows(text: str | None) -> tuple[int, int] | None:
     return a, b
 
 
+# Keys a config may hold at its top level (outside the stage sections): flags that several stages share.
+SHARED_KEYS = {"verifier_path", "trust_remote_code", "max_seq_len", "seed", "data_dir", "device", "dtype",
+               "tensor_parallel_size", "log_file"}
+
+
+def config_tokens(parser: argparse.ArgumentParser, values: dict) -> list[str]:
+    """Config values as the command-line tokens that would set them, so argparse checks their types and
+    choices exactly as it checks typed flags."""
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    tokens = []
+    for key, value in values.items():
+        action, flag = actions[key], actions[key].option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if not isinstance(value, bool):
+                raise UserError(f"{key}: {value!r} is not true or false")
+            tokens.append(flag if value else f"--no-{flag[2:]}")
+        elif action.nargs == 0:  # store_true
+            if not isinstance(value, bool):
+                raise UserError(f"{key}: {value!r} is not true or false")
+            tokens += [flag] if value else []
+        elif action.nargs in ("+", "*") or isinstance(action.nargs, int):
+            items = value if isinstance(value, list) else [value]
+            tokens += [flag, *map(str, items)]
+        elif isinstance(value, (dict, list)):
+            raise UserError(f"{key}: expected one value, got {type(value).__name__}")
+        elif value is not None:
+            tokens += [flag, str(value).lower() if isinstance(value, bool) else str(value)]
+    return tokens
+
+
+def read_config(parser: argparse.ArgumentParser, stage: str, path: str) -> list[str]:
+    """The config's values for this stage (its top level, then its section) as command-line tokens."""
+    known = {a.dest for a in parser._actions}
+    try:
+        with open(path) as f:
+            cfg = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise UserError(f"{e.strerror}")
+    except yaml.YAMLError as e:
+        raise UserError(f"not valid YAML ({str(e).splitlines()[0]})")
+    if not isinstance(cfg, dict):
+        raise UserError(f"the top level is a {type(cfg).__name__}; expected keys (see configs/default.yaml)")
+    values = {}
+    for key, value in cfg.items():
+        k = str(key).replace("-", "_")
+        if key in SECTIONS.values():
+            if value is not None and not isinstance(value, dict):
+                raise UserError(f"section '{key}' is a {type(value).__name__}; expected keys of {key}'s flags")
+        elif k not in SHARED_KEYS:
+            near = difflib.get_close_matches(k, SHARED_KEYS | known, n=1)
+            raise UserError(f"unknown top-level key '{key}'" + (f" (did you mean '{near[0]}'?" if near else " (")
+                            + f" stage flags go in their section: {', '.join(SECTIONS.values())})")
+        elif k in known:
+            values[k] = value
+    for key, value in (cfg.get(SECTIONS[stage]) or {}).items():
+        k = str(key).replace("-", "_")
+        if k not in known:
+            near = difflib.get_close_matches(k, known, n=1)
+            raise UserError(f"section '{SECTIONS[stage]}' has unknown key '{key}'"
+                            + (f" (did you mean '{near[0]}'?)" if near else ""))
+        values[k] = value
+    tokens = config_tokens(parser, values)
+    # the values alone, checked now so that a bad one is reported with the config's name
+    required = [a for a in parser._actions if a.required]  # may come from the command line
+    parser.exit_on_error = False
+    for a in required:
+        a.required = False
+    try:
+        parser.parse_args(tokens)
+    except argparse.ArgumentError as e:
+        raise UserError(str(e).replace("argument --", ""))
+    finally:
+        parser.exit_on_error = True
+        for a in required:
+            a.required = True
+    return tokens
+
+
 def parse_args(parser: argparse.ArgumentParser, stage: str, argv=None) -> argparse.Namespace:
     pre_parser = argparse.ArgumentParser(add_help=False)
     pre_parser.add_argument("--config")
     pre, _ = pre_parser.parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     if pre.config:
-        known = {a.dest for a in parser._actions}
         try:
-            with open(pre.config) as f:
-                cfg = yaml.safe_load(f) or {}
-        except OSError as e:
-            parser.error(f"--config {pre.config}: {e.strerror}")
-        except yaml.YAMLError as e:
-            parser.error(f"--config {pre.config}: not valid YAML ({str(e).splitlines()[0]})")
-        section = cfg.pop(SECTIONS[stage], None) or {}
-        for other in SECTIONS.values():
-            cfg.pop(other, None)
-        values = {k.replace("-", "_"): v for k, v in cfg.items() if k.replace("-", "_") in known}
-        for k, v in section.items():
-            k = k.replace("-", "_")
-            if k not in known:
-                parser.error(f"--config {pre.config}: section '{SECTIONS[stage]}' has unknown key '{k}'")
-            values[k] = v
-        parser.set_defaults(**values)
+            argv = read_config(parser, stage, pre.config) + argv  # the command line comes last and wins
+        except UserError as e:
+            parser.error(f"--config {pre.config}: {e}")
     return parser.parse_args(argv)
 
 

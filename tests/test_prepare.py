@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 
 from common.data import load_records, normalize, tokenize_with_mask
 from common.data import load_prepared
@@ -111,3 +112,21 @@ def test_config_file_under_command_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("prepare:\n  no_such_flag: 1\n")
     assert_user_error(stage("01_prepare_dataset.py", "--config", bad, check=False), "no_such_flag")
+
+
+@pytest.mark.parametrize("text,words", [
+    ("train:\n  scheduler: exponential\n", ["scheduler", "invalid choice", "exponential"]),
+    ("max_seq_length: 100\n", ["max_seq_length", "did you mean 'max_seq_len'"]),
+    ("- max_seq_len: 100\n", ["top level is a list"]),
+    ("train: 3\n", ["section 'train'"]),
+    ("train:\n  epochs: 2.5\n", ["epochs", "invalid int value"]),
+    ("train:\n  compile: maybe\n", ["compile", "true or false"]),
+    ("train:\n  max_step: 3\n", ["did you mean 'max_steps'"]),
+    ("train:\n  lr: [1, 2]\n", ["lr", "one value"]),
+    ("train: {epochs: 1\n", ["not valid yaml"]),
+])
+def test_config_values_are_checked_like_flags(tmp_path, text, words):
+    """A YAML value goes through the flag's own type and choices; unknown keys are named with the closest flag."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(text)
+    assert_user_error(stage("04_train.py", "--config", cfg, "--data-dir", tmp_path, check=False), str(cfg), *words)
