@@ -5,6 +5,7 @@ lay them out (tests/test_train.py checks this), so our loop trains what its trai
 """
 import json
 import math
+import os
 import queue
 import random
 import threading
@@ -187,9 +188,31 @@ def collect_rows(data_dirs, vocab_dir: str, verifier_hash: str, hidden_size: int
     files, lengths = [], []
     for folder, m in zip(folders, manifests):
         for i, n in enumerate(load_prepared(extracted_from(folder, m))["seq_len"]):
+            check_row_file(row_file(folder, i), n, len(aux) + 1, hidden_size)
             files.append(row_file(folder, i))
             lengths.append(n - 1)  # after the one-token shift
     return files, lengths, aux, folders
+
+
+def check_row_file(path: str, tokens: int, n_slots: int, hidden: int) -> None:
+    """A states file is whole before training starts (not when a batch first meets it, hours in): its
+    header reads, its shapes are the row's, and its size is exactly what the header says."""
+    try:
+        with open(path, "rb") as f:
+            header, base = safetensors_header(f)
+        size = os.path.getsize(path)
+        shape = header["hidden_states"]["shape"]
+        end = max(meta["data_offsets"][1] for name, meta in header.items() if name != "__metadata__")
+    except FileNotFoundError:
+        raise UserError(f"{path} is missing; rerun 03_extract_hidden_states.py (it redoes missing rows)")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError):
+        raise UserError(f"{path} is damaged (no readable header); rerun 03_extract_hidden_states.py (it redoes it)")
+    if size != base + end:
+        raise UserError(f"{path} is truncated or damaged ({size:,} bytes, its header says {base + end:,}); "
+                        "rerun 03_extract_hidden_states.py (it redoes it)")
+    if shape != [tokens, n_slots, hidden]:
+        raise UserError(f"{path} holds states of shape {shape}, its row needs [{tokens}, {n_slots}, {hidden}]; "
+                        "rerun 03_extract_hidden_states.py")
 
 
 def split_rows(n: int, val_ratio: float, seed: int) -> tuple[list[int], list[int]]:

@@ -3,6 +3,8 @@
 import os
 import shutil
 
+import pytest
+
 from conftest import ROWS, SEQ, assert_user_error, read_json, stage
 
 QUICK_TRAIN = ["--max-steps", 2, "--max-seq-len", 1024, "--num-workers", 1, "--val-ratio", 0.1]
@@ -29,3 +31,20 @@ def test_copied_data_dir_trains_and_a_rerun_of_01_makes_its_states_stale(tmp_pat
                                             + ["manifest.json", "extract_config.json"])
     assert read_json(hs / "manifest.json")["counts"]["extracted"] == rows
     stage("04_train.py", "--data-dir", copy, "--output-dir", tmp_path / "out2", *QUICK_TRAIN)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeros", "missing"])
+def test_damaged_states_file_stops_04_before_training(tmp_path, data_dir, damage):
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir, copy, symlinks=True)
+    victim = copy / "hidden_states" / f"rows_0-{ROWS}" / "hs_5.safetensors"
+    size = victim.stat().st_size
+    if damage == "truncated":
+        victim.write_bytes(victim.read_bytes()[:size // 2])
+    elif damage == "zeros":
+        victim.write_bytes(bytes(size))
+    else:
+        victim.unlink()
+    proc = stage("04_train.py", "--data-dir", copy, "--output-dir", tmp_path / "out", *QUICK_TRAIN, check=False)
+    assert_user_error(proc, "hs_5.safetensors", "03_extract_hidden_states.py")
+    assert not (tmp_path / "out" / "checkpoints").exists()
