@@ -7,7 +7,7 @@ import time
 from common.cli import UserError, add_verifier_flags, parse_rows, run_stage, stage_parser
 from common.data import is_held_out, load_records, normalize, prepare_rows
 from common.log import Progress, log
-from common.manifest import atomic_dir, write_manifest
+from common.manifest import atomic_dir, output_lock, write_manifest
 from common.verifier import load_text_config, load_tokenizer, resolve_verifier, tokenizer_fingerprint, verifier_fingerprint
 
 STAGE = "01_prepare_dataset"
@@ -85,6 +85,11 @@ def run(args):
         raise UserError(f"--rows {a}-{b}: the dataset has only {len(indexed)} conversations")
     selected = indexed[a:b]
     log.info(f"{len(records)} conversations in {args.dataset}; preparing rows {a}-{b}")
+    with output_lock(os.path.join(args.data_dir, "prepared"), f".lock.rows_{a}-{b}"):  # one run writes a shard
+        return prepare_shard(args, selected, a, b, tokenizer, verifier, start)
+
+
+def prepare_shard(args, selected, a, b, tokenizer, verifier, start):
 
     # the fixed held-out split (common/data.py) never becomes a training row
     selected = [(i, "held_out" if is_held_out(args.dataset, i) else r) for i, r in selected]

@@ -12,7 +12,8 @@ from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
 from common.data import load_prepared
 from common.extract import RowWriter, TransformersBackend, extract_transformers, file_is_valid, plan_batches, row_file
 from common.log import Progress, log
-from common.manifest import atomic_write_json, find_stage_dirs, manifest_hash, read_manifest, write_manifest
+from common.manifest import (atomic_write_json, find_stage_dirs, manifest_hash, output_lock, read_manifest,
+                             write_manifest)
 from common.verifier import (check_aux_layers, default_aux_layers, load_text_config, load_tokenizer,
                              resolve_verifier, tokenizer_fingerprint, verifier_fingerprint)
 
@@ -72,7 +73,11 @@ def scan_existing(out, rows, n_slots, hidden_size, fp8) -> tuple[list[int], int]
 
 def extract_folder(args, prepared, verifier, text_config, aux, tok_hash):
     out = os.path.join(args.data_dir, "hidden_states", os.path.basename(prepared.rstrip("/")))
-    os.makedirs(out, exist_ok=True)
+    with output_lock(out):  # one run writes a folder
+        return extract_locked(args, prepared, out, verifier, text_config, aux, tok_hash)
+
+
+def extract_locked(args, prepared, out, verifier, text_config, aux, tok_hash):
     fp8 = args.hidden_states_dtype == "fp8"
     config = extract_config(text_config, aux, fp8)
     cfg_path = os.path.join(out, "extract_config.json")

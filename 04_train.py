@@ -4,9 +4,11 @@
 Multi-GPU: torchrun --nproc-per-node N 04_train.py ... (one process per GPU, data parallel).
 """
 import argparse
+import contextlib
 import os
 
 from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
+from common.manifest import output_lock
 from common.verifier import load_text_config, resolve_verifier, verifier_fingerprint
 
 STAGE = "04_train"
@@ -102,17 +104,19 @@ def run(args):
         raise UserError("--compile-wait changes how --compile compiles: add --compile")
     args.vocab_mapping_dir = args.vocab_mapping_dir or default_vocab_dir(args.data_dir)
     os.makedirs(args.output_dir, exist_ok=True)
-    if not args.resume and os.path.exists(os.path.join(args.output_dir, "checkpoints", "latest")):
-        raise UserError(f"{args.output_dir} already holds checkpoints: pass --resume to continue, or a new --output-dir")
-    if not args.resume and os.path.exists(metrics):
-        os.remove(metrics)
-    verifier = resolve_verifier(args.verifier_path)
-    text_config = load_text_config(verifier, args.trust_remote_code)
-    from common.train import train
-    summary = train(args, verifier, text_config, verifier_fingerprint(text_config))
-    if int(os.environ.get("RANK", 0)) == 0:
-        summary += f"; plot {plot_training(metrics, os.path.join(args.output_dir, 'training.png'))}"
-    return summary
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    with output_lock(args.output_dir) if rank0 else contextlib.nullcontext():  # one run writes a folder
+        if not args.resume and os.path.exists(os.path.join(args.output_dir, "checkpoints", "latest")):
+            raise UserError(f"{args.output_dir} already holds checkpoints: pass --resume to continue, or a new --output-dir")
+        if not args.resume and os.path.exists(metrics):
+            os.remove(metrics)
+        verifier = resolve_verifier(args.verifier_path)
+        text_config = load_text_config(verifier, args.trust_remote_code)
+        from common.train import train
+        summary = train(args, verifier, text_config, verifier_fingerprint(text_config))
+        if rank0:
+            summary += f"; plot {plot_training(metrics, os.path.join(args.output_dir, 'training.png'))}"
+        return summary
 
 
 if __name__ == "__main__":

