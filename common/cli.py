@@ -23,6 +23,14 @@ class UserError(Exception):
     """Bad input from the user: reported as one line, exit code 2, no traceback."""
 
 
+class Stopped(Exception):
+    """A run stopped by a signal after saving what it had: one line saying how to resume, exit 128 + signal."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
 def stage_parser(stage: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"{stage}.py", description=description,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -164,6 +172,10 @@ def run_stage(stage: str, parser: argparse.ArgumentParser, run, argv=None) -> No
         log.error(str(e))
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Stopped as e:
+        log.error(str(e))
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(128 + e.signum)
     except KeyboardInterrupt:
         log.error("interrupted; rerun the same command to resume")
         sys.exit(130)

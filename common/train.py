@@ -3,17 +3,20 @@ common/loader.py, the background compile in common/compiler.py, checkpoints in c
 import json
 import math
 import os
+import shlex
+import signal
+import sys
 import time
 
 import torch
 
 from common.checkpoint import rng_state, save_checkpoint, set_rng_state
-from common.cli import UserError
+from common.cli import Stopped, UserError
 from common.compiler import Compiler
 from common.draft import build_draft
 from common.loader import PackedBatches, collect_rows, epoch_batches, split_rows
 from common.log import LAUNCH, fmt_duration, log, memory_summary
-from common.manifest import sha256_json
+from common.manifest import atomic_write_text, sha256_json
 
 
 # ---------------------------------------------------------------- schedule, metrics
@@ -106,6 +109,15 @@ def setup_distributed():
     return rank, world, device
 
 
+def keep_metrics_until(path: str, step: int) -> None:
+    """A resumed run replays the steps after its checkpoint: their first records go, so each step is logged once."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    atomic_write_text(path, "".join(lines))
+
+
 def run_fingerprint(args, aux, verifier_hash, draft_vocab) -> str:
     """What must match for --resume to continue a run."""
     return sha256_json({"verifier": verifier_hash, "aux": aux, "draft_vocab": draft_vocab, "ttt": args.ttt_steps,
@@ -159,6 +171,8 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         best_score, history_tokens = ckpt["best_score"], ckpt["tokens"]
         set_rng_state(ckpt["rng"])
         log.info(f"resumed from {os.path.realpath(latest)}: epoch {epoch}, step {step}")
+        if rank == 0:
+            keep_metrics_until(os.path.join(args.output_dir, "metrics.jsonl"), step)
     elif args.resume:
         log.info(f"--resume: no checkpoint in {args.output_dir}; starting fresh")
 
@@ -229,6 +243,13 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         path = save_checkpoint(args.output_dir, name, model, optimizer, state, is_best)
         log.info(f"saved {path}{' (best so far)' if is_best else ''}")
 
+    if epoch >= args.epochs or (args.max_steps and step >= args.max_steps):
+        return f"already finished at step {step} (epoch {epoch}): nothing to train; checkpoints in {args.output_dir}/checkpoints"
+    # SIGTERM (a scheduler, kill) and Ctrl-C end the run at the next step with a checkpoint
+    stop_signal = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
+
     # ------------------------------------------------ the loop
     model.train()
     t_loop = time.time()
@@ -275,6 +296,11 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
                            "lr": optimizer.groups[-1]["lr"], "tokens_per_s": tokens_since / dt})
                 t_last, tokens_since, sums = time.time(), 0, {}
             val = validate(f"step {step}", epoch + 1) if args.val_every and step % args.val_every == 0 else None
+            if stop_signal:
+                checkpoint(f"step_{step}", None)
+                resume = shlex.join([sys.executable, *sys.argv] + ([] if "--resume" in sys.argv else ["--resume"]))
+                raise Stopped(f"stopped by {signal.Signals(stop_signal[0]).name} after step {step}, checkpoint "
+                              f"saved; resume with: {resume}", stop_signal[0])
             if args.max_steps and step >= args.max_steps:
                 stop = True
                 break

@@ -1,6 +1,8 @@
 """Moved data and stale artifacts: a data dir copied elsewhere still trains on its own rows; a rerun of
 01 makes the states downstream stale, which 04 refuses (naming 03) and 03 redoes."""
+import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -71,3 +73,27 @@ def test_one_run_writes_a_folder_and_a_dead_runs_lock_is_taken_over(tmp_path, da
     log = stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--resume", *QUICK_TRAIN).stdout
     assert f"taking over the lock of a run that ended without releasing it (pid {first.pid}" in log
     assert not (out / ".lock").exists()
+
+
+def test_sigterm_saves_a_checkpoint_and_the_named_command_resumes(tmp_path, data_dir):
+    out = tmp_path / "out"
+    args = [sys.executable, os.path.join(ROOT, "04_train.py"), "--data-dir", str(data_dir), "--output-dir", str(out),
+            "--max-steps", "24", "--max-seq-len", "1024", "--num-workers", "1", "--log-every", "1", "--val-ratio", "0.1"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    while proc.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "stopped by SIGTERM" in errors[0] and "Traceback" not in stderr
+    assert (out / "checkpoints" / "latest").exists()
+    command = shlex.split(errors[0].split("resume with: ")[1])
+    assert command[-1] == "--resume"
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line]
+    assert steps == list(range(1, 25))  # each step once, the replayed ones too
+    again = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
+    assert "already finished at step 24" in again.stdout + again.stderr
+    assert metrics.read_text().count('"train"') == 24
