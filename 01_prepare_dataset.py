@@ -74,7 +74,8 @@ def run(args):
     tokenizer = load_tokenizer(verifier, args.trust_remote_code)
     if tokenizer.chat_template is None:
         raise UserError(f"the tokenizer of {verifier} has no chat template; use a chat (instruct) model's folder")
-    records = load_records(args.dataset, args.split)
+    notes = {}  # what the reader noticed (a cut-off tail), reported in the manifest
+    records = load_records(args.dataset, args.split, notes)
     if not records:
         raise UserError(f"--dataset {args.dataset}: holds no conversations")
     indexed = list(enumerate(records))
@@ -86,10 +87,10 @@ def run(args):
     selected = indexed[a:b]
     log.info(f"{len(records)} conversations in {args.dataset}; preparing rows {a}-{b}")
     with output_lock(os.path.join(args.data_dir, "prepared"), f".lock.rows_{a}-{b}"):  # one run writes a shard
-        return prepare_shard(args, selected, a, b, tokenizer, verifier, start)
+        return prepare_shard(args, selected, a, b, tokenizer, verifier, start, notes)
 
 
-def prepare_shard(args, selected, a, b, tokenizer, verifier, start):
+def prepare_shard(args, selected, a, b, tokenizer, verifier, start, notes):
 
     # the fixed held-out split (common/data.py) never becomes a training row
     selected = [(i, "held_out" if is_held_out(args.dataset, i) else r) for i, r in selected]
@@ -114,7 +115,7 @@ def prepare_shard(args, selected, a, b, tokenizer, verifier, start):
     counts = {"conversations": len(selected), "rows": len(rows), "total_tokens": total,
               "assistant_tokens": assistant, "dropped": dict(dropped),
               "max_row_tokens": max(r["seq_len"] for r in rows),
-              **({"regeneration": regen_counts} if regen_counts is not None else {})}
+              **({"regeneration": regen_counts} if regen_counts is not None else {}), **notes}
     out = os.path.join(args.data_dir, "prepared", f"rows_{a}-{b}")
     with atomic_dir(out) as tmp:
         ds = datasets.Dataset.from_list(rows)

@@ -5,6 +5,7 @@ import os
 from collections import Counter
 
 from common.cli import UserError
+from common.log import log
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
             "bard": "assistant", "assistant": "assistant", "model": "assistant", "system": "system"}
@@ -26,14 +27,16 @@ def sharegpt_path() -> str:
     return os.path.join(spec.submodule_search_locations[0], "data", "ShareGPT_V3_unfiltered_cleaned_split.json")
 
 
-def read_json_records(path: str) -> list:
-    """Records of a JSON array decoded one element at a time, so a truncated file yields what it holds."""
-    with open(path) as f:
-        text = f.read()
+def read_json_records(path: str, notes: dict | None = None) -> list:
+    """Records of a JSON array decoded one element at a time. A file cut off inside its last element (as
+    the packaged ShareGPT file is) yields the complete ones, and the cut is logged and noted; an element
+    that does not decode in a file that goes on past it is an error, not a silent end of the data."""
+    text = read_text(path)
     start = text.find("[")
-    if start < 0:
+    if start < 0 or text[:start].strip():
         raise UserError(f"{path}: not a JSON array")
     decoder, records, pos = json.JSONDecoder(), [], start + 1
+    closed = text.rstrip().endswith("]")
     while True:
         while pos < len(text) and text[pos] in " \t\r\n,":
             pos += 1
@@ -41,28 +44,52 @@ def read_json_records(path: str) -> list:
             break
         try:
             record, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            break  # truncated tail
+        except json.JSONDecodeError as e:
+            if closed:
+                raise UserError(f"{path}: element {len(records)} (byte {pos:,}) is not valid JSON ({e.msg}); "
+                                "fix or remove it")
+            log.warning(f"{path} is cut off inside element {len(records)}: read {len(records):,} complete records, "
+                        f"dropped its last {len(text) - pos:,} bytes")
+            if notes is not None:
+                notes["truncated_tail_bytes"] = len(text) - pos
+            break
         records.append(record)
     return records
 
 
-def load_records(source: str, split: str = "train") -> list:
-    """Raw records from 'sharegpt', a local json/jsonl/parquet file, or a `datasets.load_dataset` name."""
+def read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte {e.start:,}); is it the file you meant?")
+    except IsADirectoryError:
+        raise UserError(f"{path} is a folder; give a .json, .jsonl or .parquet file")
+
+
+def load_records(source: str, split: str = "train", notes: dict | None = None) -> list:
+    """Raw records from 'sharegpt', a local json/jsonl/parquet file, or a `datasets.load_dataset` name;
+    what was noticed on the way (a cut-off tail) goes into `notes`."""
     if source == "sharegpt":
-        return read_json_records(sharegpt_path())
+        return read_json_records(sharegpt_path(), notes)
     if os.path.exists(source):
         if source.endswith(".jsonl"):
-            with open(source) as f:
-                try:
-                    return [json.loads(line) for line in f if line.strip()]
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{source}: line is not JSON ({e})")
+            records = []
+            for n, line in enumerate(read_text(source).splitlines(), 1):
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise UserError(f"{source}: line {n} is not JSON ({e.msg}); fix or remove it")
+            return records
         if source.endswith(".json"):
-            return read_json_records(source)
+            return read_json_records(source, notes)
         if source.endswith(".parquet"):
             import datasets
-            return list(datasets.Dataset.from_parquet(source))
+            try:
+                return list(datasets.Dataset.from_parquet(source))
+            except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a file that is not parquet
+                raise UserError(f"{source}: not a readable parquet file ({type(e).__name__}: {str(e)[:120]})")
         raise UserError(f"--dataset {source}: unsupported file type (use .json, .jsonl or .parquet)")
     if source.startswith(("/", ".")) or source.endswith((".json", ".jsonl", ".parquet")):
         raise UserError(f"--dataset {source}: file not found")

@@ -85,6 +85,15 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
     empty.write_text("")
     odd = tmp_path / "odd.jsonl"
     odd.write_text("\n".join(json.dumps({"text": f"row {i}"}) for i in range(5)))
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(bytes(range(256)) * 4)
+    fake_parquet = tmp_path / "text.parquet"
+    fake_parquet.write_text("this is not parquet\n")
+    chat = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    corrupt_middle = tmp_path / "corrupt.json"  # a bad element with good ones after it: not a cut-off tail
+    corrupt_middle.write_text("[" + json.dumps(chat) + ', {"conversations": [oops}, ' + json.dumps(chat) + "]")
+    bad_line = tmp_path / "bad_line.jsonl"
+    bad_line.write_text(json.dumps(chat) + "\n{oops\n" + json.dumps(chat) + "\n")
     cases = [
         (["--dataset", str(tmp_path / "missing.jsonl")], "not found"),
         (["--dataset", str(empty)], "no conversations"),
@@ -95,6 +104,11 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
         (["--regenerate", "transformers", "--max-new-tokens", "0"], "--max-new-tokens"),
         (["--regenerate", "transformers", "--device", "cuda"], "no CUDA"),
         (["--regenerate", "sglang"], "invalid choice"),
+        (["--dataset", str(binary)], "not UTF-8"),
+        (["--dataset", str(fake_parquet)], "not a readable parquet"),
+        (["--dataset", str(corrupt_middle)], "element 1"),
+        (["--dataset", str(bad_line)], "line 2"),
+        (["--dataset", str(tmp_path)], "unsupported file type"),
     ]
     for args, words in cases:
         proc = stage("01_prepare_dataset.py", "--data-dir", tmp_path / "d", *args, check=False)
@@ -130,3 +144,14 @@ def test_config_values_are_checked_like_flags(tmp_path, text, words):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(text)
     assert_user_error(stage("04_train.py", "--config", cfg, "--data-dir", tmp_path, check=False), str(cfg), *words)
+
+
+def test_cut_off_json_array_keeps_its_complete_records_and_says_so(tmp_path):
+    chat = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"}]}
+    cut = tmp_path / "cut.json"
+    whole = "[" + ", ".join([json.dumps(chat)] * 5) + "]"
+    cut.write_text(whole[:-25])  # inside the fifth element
+    proc = stage("01_prepare_dataset.py", "--data-dir", tmp_path / "d", "--dataset", cut)
+    assert "cut off inside element 4" in proc.stdout + proc.stderr
+    counts = read_json(tmp_path / "d" / "prepared" / "rows_0-4" / "manifest.json")["counts"]
+    assert counts["rows"] == 4 and counts["truncated_tail_bytes"] > 0
