@@ -7,6 +7,7 @@ import shlex
 import signal
 import sys
 import time
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -118,20 +119,75 @@ def keep_metrics_until(path: str, step: int) -> None:
     atomic_write_text(path, "".join(lines))
 
 
+def append_metrics(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def run_fingerprint(args, aux, verifier_hash, draft_vocab) -> str:
-    """What must match for --resume to continue a run."""
+    """What a resumed run must share with the checkpoint it continues."""
     return sha256_json({"verifier": verifier_hash, "aux": aux, "draft_vocab": draft_vocab, "ttt": args.ttt_steps,
                         "max_seq_len": args.max_seq_len, "val_ratio": args.val_ratio, "seed": args.seed,
-                        "norms": [args.norm_before_fc, args.norm_output], "optimizer": args.optimizer})
+                        "norm_before_fc": args.norm_before_fc, "norm_output": args.norm_output,
+                        "optimizer": args.optimizer})
+
+
+@dataclass
+class Position:
+    """Where a run is: what a checkpoint saves besides the weights, and --resume restores."""
+    epoch: int = 0          # finished epochs
+    step_in_epoch: int = 0  # optimizer steps into the current epoch
+    step: int = 0           # optimizer steps in all
+    best_score: float = -math.inf
+    tokens: int = 0         # trained tokens, up to the last logged step
+
+
+def forward(model, batch: dict, args, loss_config, device, noise: bool):
+    """The draft's TTT forward on one packed batch: (loss, speculators' metrics)."""
+    hs = batch["hidden_states"]
+    if noise and args.noise_std > 0:  # augmentation of the train split only
+        hs = hs + args.noise_std * torch.randn_like(hs)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        _, loss, metrics = model(
+            hidden_states=hs, input_ids=batch["input_ids"], document_ids=batch["document_ids"],
+            loss_mask=batch["loss_mask"], position_ids=batch["position_ids"],
+            verifier_last_hidden_states=batch["verifier_last_hidden_states"], ttt_steps=args.ttt_steps,
+            ttt_step_loss_decay=args.ttt_loss_decay, loss_config=loss_config)
+    return loss, metrics
+
+
+@torch.no_grad()
+def validate(model, packed, val_rows: list[int], lengths, args, loss_config, device, rank, world,
+             fn=None) -> dict | None:
+    """Loss, accuracy per position and the estimated acceptance length on the validation rows (through
+    `fn`, the model's eager forward when it runs compiled)."""
+    if not val_rows:
+        return None
+    model.eval()
+    sums: dict = {}
+    batches = epoch_batches([lengths[i] for i in val_rows], args.max_seq_len, 0, 0, rank, world)
+    for batch in packed([[val_rows[i] for i in b] for b in batches]):
+        add_metrics(sums, forward(fn or model, batch, args, loss_config, device, noise=False)[1])
+    model.train()
+    return summarize(sums, args.ttt_steps)
+
+
+def catch_stop_signals() -> list:
+    """SIGTERM (a scheduler, kill) and Ctrl-C are noted here; the loop stops at the next step, with a checkpoint."""
+    caught: list = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: caught.append(signum))
+    return caught
 
 
 def train(args, verifier: str, text_config, verifier_hash: str) -> str:
+    # ------------------------------------------------ data, draft, optimizer
     rank, world, device = setup_distributed()
     on_gpu = device.type == "cuda"
     torch.manual_seed(args.seed)
     hidden = text_config.hidden_size
     files, lengths, aux, folders = collect_rows(args.data_dir, args.vocab_mapping_dir, verifier_hash, hidden)
-    train_idx, val_idx = split_rows(len(files), args.val_ratio, args.seed)
+    train_rows, val_rows = split_rows(len(files), args.val_ratio, args.seed)
     attn = "sdpa" if args.attn_impl == "auto" else args.attn_impl  # sdpa measured faster than flex (docs/benchmarks.md)
     if args.compile and on_gpu:  # inductor's compile workers start while the draft is built (~3 s sooner to the first step)
         from torch._inductor.async_compile import maybe_warm_pool
@@ -142,23 +198,27 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     if on_gpu:  # frozen verifier pieces in bf16 once, rather than an autocast copy of them every step
         for frozen in (model.embed_tokens, model.lm_head, model.verifier_lm_head, model.verifier_norm):
             frozen.to(torch.bfloat16)
-    draft_vocab = model.draft_vocab_size
     from speculators.losses import resolve_loss_config
     loss_config = resolve_loss_config(args.loss, args.loss_implementation if on_gpu else "eager")
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = Optimizers(model, args, fused=on_gpu)
-    fingerprint = run_fingerprint(args, aux, verifier_hash, draft_vocab)
-    n_params = sum(p.numel() for p in params)
+    fingerprint = run_fingerprint(args, aux, verifier_hash, model.draft_vocab_size)
     if rank == 0:
-        log.info(f"{len(files)} rows from {len(folders)} folder(s): {len(train_idx)} train, {len(val_idx)} val; "
-                 f"aux layers {aux}; draft vocab {draft_vocab}; {n_params / 1e6:.1f}M trainable parameters; "
-                 f"attention {attn}; device {device} x {world}")
+        log.info(f"{len(files)} rows from {len(folders)} folder(s): {len(train_rows)} train, {len(val_rows)} val; "
+                 f"aux layers {aux}; draft vocab {model.draft_vocab_size}; "
+                 f"{sum(p.numel() for p in params) / 1e6:.1f}M trainable parameters; attention {attn}; "
+                 f"device {device} x {world}")
         log.info(f"draft built in {time.time() - t_build:.1f}s; {time.time() - LAUNCH:.1f}s since launch")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    packed = PackedBatches(files, lengths, len(aux), hidden, args.max_seq_len, device, dtype, args.num_workers)
+    train_lengths = [lengths[i] for i in train_rows]
+    total_steps = args.max_steps or sum(
+        math.ceil(len(epoch_batches(train_lengths, args.max_seq_len, args.seed, e, rank, world)) / args.grad_accum)
+        for e in range(args.epochs))
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 
-    # Resume: model, optimizer, schedule position, data order (epoch + batch) and RNG.
-    # `best` is the checkpoint with the highest validation estimate of the acceptance length (what
-    # serving pays for), or with --best-by loss the lowest validation loss.
-    epoch, step_in_epoch, step, best_score, history_tokens = 0, 0, 0, -float("inf"), 0
+    # ------------------------------------------------ resume: weights, optimizer, position, data order, RNG
+    pos = Position()
     latest = os.path.join(args.output_dir, "checkpoints", "latest")
     if args.resume and os.path.exists(latest):
         ckpt = torch.load(os.path.join(latest, "training_state.pt"), map_location="cpu", weights_only=False)
@@ -167,153 +227,114 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
                             "--ttt-steps, --max-seq-len, --val-ratio, --seed, norms or --optimizer; use a new --output-dir")
         model.load_state_dict(ckpt["model"], strict=False)
         optimizer.load_state_dict(ckpt["optimizer"])
-        epoch, step_in_epoch, step = ckpt["epoch"], ckpt["step_in_epoch"], ckpt["step"]
-        best_score, history_tokens = ckpt["best_score"], ckpt["tokens"]
+        pos = Position(**{k: ckpt[k] for k in asdict(pos)})
         set_rng_state(ckpt["rng"])
-        log.info(f"resumed from {os.path.realpath(latest)}: epoch {epoch}, step {step}")
+        log.info(f"resumed from {os.path.realpath(latest)}: epoch {pos.epoch}, step {pos.step}")
         if rank == 0:
-            keep_metrics_until(os.path.join(args.output_dir, "metrics.jsonl"), step)
+            keep_metrics_until(metrics_path, pos.step)
     elif args.resume:
         log.info(f"--resume: no checkpoint in {args.output_dir}; starting fresh")
+    if pos.epoch >= args.epochs or (args.max_steps and pos.step >= args.max_steps):
+        return f"already finished at step {pos.step} (epoch {pos.epoch}): nothing to train; checkpoints in {args.output_dir}/checkpoints"
 
     raw_model = model
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    packed = PackedBatches(files, lengths, len(aux), hidden, args.max_seq_len, device, dtype, args.num_workers)
-    train_lengths = [lengths[i] for i in train_idx]
-    total_steps = args.max_steps or sum(
-        math.ceil(len(epoch_batches(train_lengths, args.max_seq_len, args.seed, e, rank, world)) / args.grad_accum)
-        for e in range(args.epochs))
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    fwd_kwargs = {"ttt_steps": args.ttt_steps, "ttt_step_loss_decay": args.ttt_loss_decay, "loss_config": loss_config}
-
-    def forward(batch, noise: bool, fn=None):
-        hs = batch["hidden_states"]
-        if noise and args.noise_std > 0:  # augmentation of the train split only
-            hs = hs + args.noise_std * torch.randn_like(hs)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
-            _, loss, metrics = (fn or model)(
-                hidden_states=hs, input_ids=batch["input_ids"], document_ids=batch["document_ids"],
-                loss_mask=batch["loss_mask"], position_ids=batch["position_ids"],
-                verifier_last_hidden_states=batch["verifier_last_hidden_states"], **fwd_kwargs)
-        return loss, metrics
-
-    compiler = Compiler(raw_model, lambda fn, batch: forward(batch, noise=False, fn=fn)[0],
+    # --compile: the forward is compiled on a thread beside eager steps and swapped in when ready
+    compiler = Compiler(raw_model, lambda fn, batch: forward(fn, batch, args, loss_config, device, noise=False)[0],
                         wait=args.compile_wait or world > 1, announce=rank == 0) if args.compile else None
 
-    @torch.no_grad()
-    def evaluate() -> dict | None:
-        if not val_idx:
-            return None
+    def evaluate(tag: str, epoch_no: int) -> dict | None:
+        """Validation (eager: a compiled no-grad graph would be a second compile for a few batches), logged."""
         if compiler:  # the compile thread traces in train mode; after the last step it is only waited for
-            compiler.finish(step, last=step >= total_steps)
-        model.eval()
-        sums: dict = {}
-        batches = epoch_batches([lengths[i] for i in val_idx], args.max_seq_len, 0, 0, rank, world)
-        for batch in packed([[val_idx[i] for i in b] for b in batches]):
-            # eager: a compiled no-grad graph would be a second compile (silent, ~20 s cold) for a few batches
-            add_metrics(sums, forward(batch, noise=False, fn=compiler.eager if compiler else None)[1])
-        model.train()
-        return summarize(sums, args.ttt_steps)
-
-    def validate(tag: str, epoch_no: int) -> dict | None:
-        val = evaluate()
+            compiler.finish(pos.step, last=pos.step >= total_steps)
+        val = validate(model, packed, val_rows, lengths, args, loss_config, device, rank, world,
+                       fn=compiler.eager if compiler else None)
         if val and rank == 0:
             log.info(f"val {tag}: loss {val['loss']:.4f} acc {'/'.join(f'{a:.3f}' for a in val['acc_pos'])} "
                      f"est. accept len {val['est_accept_len']:.2f}")
-            log_jsonl({"split": "val", "step": step, "epoch": epoch_no, **val})
+            append_metrics(metrics_path, {"split": "val", "step": pos.step, "epoch": epoch_no, **val})
         return val
 
-    def log_jsonl(record: dict):
-        if rank == 0:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    def checkpoint(name: str, val: dict | None):
-        nonlocal best_score
+    def checkpoint(name: str, val: dict | None) -> None:
+        """`best` is the checkpoint with the highest estimated acceptance length (what serving pays for),
+        or with --best-by loss the lowest validation loss."""
         if rank != 0:
             return
-        score = -float("inf") if val is None else val["est_accept_len"] if args.best_by == "accept" else -val["loss"]
-        is_best = score > best_score
-        best_score = max(best_score, score)
-        state = {"epoch": epoch, "step_in_epoch": step_in_epoch, "step": step, "best_score": best_score,
-                 "tokens": history_tokens, "fingerprint": fingerprint, "rng": rng_state(), "val": val,
-                 "aux_layers": aux, "verifier": verifier, "args": vars(args)}
+        score = -math.inf if val is None else val["est_accept_len"] if args.best_by == "accept" else -val["loss"]
+        is_best = score > pos.best_score
+        pos.best_score = max(pos.best_score, score)
+        state = {**asdict(pos), "fingerprint": fingerprint, "rng": rng_state(), "val": val, "aux_layers": aux,
+                 "verifier": verifier, "args": vars(args)}
         path = save_checkpoint(args.output_dir, name, model, optimizer, state, is_best)
         log.info(f"saved {path}{' (best so far)' if is_best else ''}")
 
-    if epoch >= args.epochs or (args.max_steps and step >= args.max_steps):
-        return f"already finished at step {step} (epoch {epoch}): nothing to train; checkpoints in {args.output_dir}/checkpoints"
-    # SIGTERM (a scheduler, kill) and Ctrl-C end the run at the next step with a checkpoint
-    stop_signal = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
-
     # ------------------------------------------------ the loop
+    stop_signal = catch_stop_signals()
     model.train()
-    t_loop = time.time()
-    t_last, tokens_since, sums, first_step_logged = time.time(), 0, {}, False
-    stop = False
+    t_loop = t_last = time.time()
+    tokens_since, sums, val, reached_max_steps, first_step_logged = 0, {}, None, False, False
     if rank == 0 and compiler:
         log.info("torch.compile starts on the first batch" + (
             "; the first step waits for it" if compiler.wait else ", beside eager steps until it is ready"))
-    while epoch < args.epochs and not stop:
-        batches = epoch_batches(train_lengths, args.max_seq_len, args.seed, epoch, rank, world)
-        micro = batches[step_in_epoch * args.grad_accum:]
-        for k, batch in enumerate(packed([[train_idx[i] for i in b] for b in micro])):
-            optimizer.set_lr_scale(lr_scale(step, total_steps, args))
-            if compiler:
-                compiler.start(batch, step)
-                compiler.finish(step, block=False)
-            loss, metrics = forward(batch, noise=True)
+    while pos.epoch < args.epochs and not reached_max_steps:
+        batches = epoch_batches(train_lengths, args.max_seq_len, args.seed, pos.epoch, rank, world)
+        micro = batches[pos.step_in_epoch * args.grad_accum:]  # a resumed epoch skips the batches it trained
+        for k, batch in enumerate(packed([[train_rows[i] for i in b] for b in micro])):
+            optimizer.set_lr_scale(lr_scale(pos.step, total_steps, args))
+            if compiler:  # swaps the compiled forward into the model when it is ready
+                compiler.start(batch, pos.step)
+                compiler.finish(pos.step, block=False)
+            loss, metrics = forward(model, batch, args, loss_config, device, noise=True)
             (loss / args.grad_accum).backward()
             add_metrics(sums, metrics)
             tokens_since += batch["tokens"] * world
             if (k + 1) % args.grad_accum and k + 1 < len(micro):
-                continue
+                continue  # gradient accumulation
             torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
             optimizer.step()
-            step += 1
-            step_in_epoch += 1
+            pos.step += 1
+            pos.step_in_epoch += 1
             if not first_step_logged and rank == 0:
                 log.info(f"first step done {time.time() - LAUNCH:.1f}s after launch, {time.time() - t_loop:.1f}s "
                          f"after the loop started")
                 first_step_logged = True
-            if step % args.log_every == 0 or step == total_steps:
+            if pos.step % args.log_every == 0 or pos.step == total_steps:
                 if on_gpu:  # the interval ends when its last step's work has run, not when it was queued
                     torch.cuda.synchronize()
                 dt = time.time() - t_last
                 s = summarize(sums, args.ttt_steps)
-                history_tokens += tokens_since
-                eta = (total_steps - step) * dt / args.log_every
-                acc = "/".join(f"{a:.3f}" for a in s["acc_pos"])
+                pos.tokens += tokens_since
+                lr = optimizer.groups[-1]["lr"]
                 if rank == 0:
-                    log.info(f"step {step}/{total_steps} epoch {epoch + 1} loss {s['loss']:.4f} acc {acc} "
-                             f"lr {optimizer.groups[-1]['lr']:.2e} {args.log_every / dt:.2f} steps/s "
-                             f"{tokens_since / dt:,.0f} tok/s eta {fmt_duration(eta)} {memory_summary()}")
-                log_jsonl({"split": "train", "step": step, "epoch": epoch + 1, **s,
-                           "lr": optimizer.groups[-1]["lr"], "tokens_per_s": tokens_since / dt})
+                    log.info(f"step {pos.step}/{total_steps} epoch {pos.epoch + 1} loss {s['loss']:.4f} acc "
+                             f"{'/'.join(f'{a:.3f}' for a in s['acc_pos'])} lr {lr:.2e} {args.log_every / dt:.2f} "
+                             f"steps/s {tokens_since / dt:,.0f} tok/s eta "
+                             f"{fmt_duration((total_steps - pos.step) * dt / args.log_every)} {memory_summary()}")
+                    append_metrics(metrics_path, {"split": "train", "step": pos.step, "epoch": pos.epoch + 1, **s,
+                                                  "lr": lr, "tokens_per_s": tokens_since / dt})
                 t_last, tokens_since, sums = time.time(), 0, {}
-            val = validate(f"step {step}", epoch + 1) if args.val_every and step % args.val_every == 0 else None
+            val = evaluate(f"step {pos.step}", pos.epoch + 1) if args.val_every and pos.step % args.val_every == 0 else None
             if stop_signal:
-                checkpoint(f"step_{step}", None)
+                checkpoint(f"step_{pos.step}", None)
                 resume = shlex.join([sys.executable, *sys.argv] + ([] if "--resume" in sys.argv else ["--resume"]))
-                raise Stopped(f"stopped by {signal.Signals(stop_signal[0]).name} after step {step}, checkpoint "
+                raise Stopped(f"stopped by {signal.Signals(stop_signal[0]).name} after step {pos.step}, checkpoint "
                               f"saved; resume with: {resume}", stop_signal[0])
-            if args.max_steps and step >= args.max_steps:
-                stop = True
+            if args.max_steps and pos.step >= args.max_steps:
+                reached_max_steps = True
                 break
-            if args.save_every and step % args.save_every == 0:
-                checkpoint(f"step_{step}", val)
+            if args.save_every and pos.step % args.save_every == 0:
+                checkpoint(f"step_{pos.step}", val)
         else:
-            epoch, step_in_epoch = epoch + 1, 0
-            checkpoint(f"epoch_{epoch}", validate(f"epoch {epoch}", epoch))
-    if stop:  # the last step's checkpoint (not a second one by --save-every), validated once
-        checkpoint(f"step_{step}", val if val is not None else validate(f"step {step}", epoch + 1))
+            pos.epoch, pos.step_in_epoch = pos.epoch + 1, 0
+            checkpoint(f"epoch_{pos.epoch}", evaluate(f"epoch {pos.epoch}", pos.epoch))
+    if reached_max_steps:  # the last step's checkpoint (not a second one by --save-every), validated once
+        checkpoint(f"step_{pos.step}", val if val is not None else evaluate(f"step {pos.step}", pos.epoch + 1))
     if compiler:  # a run shorter than the compile: let its thread end before the process does
-        compiler.finish(step, last=True)
+        compiler.finish(pos.step, last=True)
     if world > 1:
         torch.distributed.destroy_process_group()
-    best = f"best est. accept len {best_score:.3f}" if args.best_by == "accept" else f"best val loss {-best_score:.4f}"
-    return f"trained {step} steps; {best if val_idx else 'no validation split'}; checkpoints in {args.output_dir}/checkpoints"
+    best = (f"best est. accept len {pos.best_score:.3f}" if args.best_by == "accept"
+            else f"best val loss {-pos.best_score:.4f}")
+    return (f"trained {pos.step} steps; {best if val_rows else 'no validation split'}; "
+            f"checkpoints in {args.output_dir}/checkpoints")
