@@ -84,7 +84,8 @@ def extract_locked(args, prepared, out, verifier, text_config, aux, tok_hash):
     if os.path.exists(cfg_path):
         with open(cfg_path) as f:
             old = json.load(f)
-        if old != config:
+        # settings of a run that wrote no states (it failed early) bind nothing
+        if old != config and glob.glob(os.path.join(out, "hs_*.safetensors")):
             raise UserError(f"{out} holds states of another verifier, other layers ({old['aux_layers']}) or another "
                             f"--hidden-states-dtype ({old.get('hidden_states_dtype', 'bf16')}); "
                             "delete it or choose another --data-dir")
@@ -162,6 +163,13 @@ def extract_locked(args, prepared, out, verifier, text_config, aux, tok_hash):
 def run(args):
     if args.max_tokens_per_batch <= 0:
         raise UserError(f"--max-tokens-per-batch {args.max_tokens_per_batch}: must be positive")
+    if args.device != "auto" and not args.device.startswith(("cuda", "cpu")):
+        raise UserError(f"--device {args.device}: use cuda, cuda:N, cpu or auto")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {args.device}: this machine has no CUDA GPU; use --device cpu")
+    if args.writer_threads < 1 or args.tensor_parallel_size < 1:
+        raise UserError(f"--writer-threads {args.writer_threads} / --tensor-parallel-size "
+                        f"{args.tensor_parallel_size}: must be at least 1")
     verifier = resolve_verifier(args.verifier_path)
     tokenizer = load_tokenizer(verifier, args.trust_remote_code)
     tok_hash = tokenizer_fingerprint(tokenizer)

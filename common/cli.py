@@ -154,6 +154,10 @@ def effective_config(args: argparse.Namespace) -> dict:
     return {k: v for k, v in sorted(vars(args).items())}
 
 
+def path_error(e: OSError) -> str:
+    return f"{e.filename}: {e.strerror or type(e).__name__}; check the path, its permissions and free space"
+
+
 def run_stage(stage: str, parser: argparse.ArgumentParser, run, argv=None) -> None:
     """Parse, set up logging, run run(args) -> summary line, map user errors to exit 2 with one line."""
     args = parse_args(parser, stage, argv)
@@ -161,7 +165,11 @@ def run_stage(stage: str, parser: argparse.ArgumentParser, run, argv=None) -> No
     if isinstance(folder, list):
         folder = None
     log_file = args.log_file or (os.path.join(folder, "logs", f"{stage}.log") if folder else None)
-    setup_logging(stage, log_file)
+    try:
+        setup_logging(stage, log_file)
+    except OSError as e:  # the log's folder cannot be made: the data or output path is a file, or read-only
+        print(f"error: {path_error(e)}", file=sys.stderr)
+        sys.exit(2)
     start = time.time()
     log.info(f"=== {stage} start ===")
     for k, v in effective_config(args).items():
@@ -179,4 +187,11 @@ def run_stage(stage: str, parser: argparse.ArgumentParser, run, argv=None) -> No
     except KeyboardInterrupt:
         log.error("interrupted; rerun the same command to resume")
         sys.exit(130)
+    except OSError as e:  # a path the stage cannot use: a file where a folder belongs, no permission, EIO, ...
+        if not e.filename:
+            raise
+        message = path_error(e)
+        log.error(message)
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
     log.info(f"{summary + '; ' if summary else ''}done in {fmt_duration(time.time() - start)}")

@@ -129,9 +129,10 @@ class ChainSimulator:
         from transformers import AutoModelForCausalLM
 
         from common.extract import decoder_layers
+        from common.verifier import load_verifier_weights
         self.device, self.dtype = torch.device(device), dtype
-        self.verifier = AutoModelForCausalLM.from_pretrained(verifier_path, dtype=dtype,
-                                                             trust_remote_code=trust_remote_code).to(self.device).eval()
+        self.verifier = load_verifier_weights(AutoModelForCausalLM, verifier_path, dtype=dtype,
+                                              trust_remote_code=trust_remote_code).to(self.device).eval()
         self.layers = decoder_layers(self.verifier, self.verifier.config.get_text_config().num_hidden_layers)
         self.draft, self.hooks, self.aux = None, [], []
 

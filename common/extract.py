@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from common.cli import UserError
 from common.log import log
+from common.verifier import load_verifier_weights
 
 
 def row_file(folder: str, index: int) -> str:
@@ -184,9 +185,9 @@ class TransformersBackend:
         from transformers import AutoModel
         kwargs = {"dtype": getattr(torch, dtype), "trust_remote_code": trust_remote_code}
         if device == "auto":  # spread over all visible GPUs: models that do not fit one
-            model = AutoModel.from_pretrained(verifier, device_map="auto", **kwargs)
+            model = load_verifier_weights(AutoModel, verifier, device_map="auto", **kwargs)
             return cls(model, aux_layers, num_layers, torch.device("cuda:0"))
-        model = AutoModel.from_pretrained(verifier, **kwargs).to(device)
+        model = load_verifier_weights(AutoModel, verifier, **kwargs).to(device)
         return cls(model, aux_layers, num_layers, torch.device(device))
 
     def _pre_hook(self, slot):

@@ -17,6 +17,7 @@ import torch
 from common.cli import UserError
 from common.log import Progress, log
 from common.manifest import atomic_write_json, atomic_write_text
+from common.verifier import load_verifier_weights
 
 SETTINGS = "settings.json"
 LOOP_MIN_TOKENS = 32   # a tail repeating at least this long, with period <= LOOP_MAX_PERIOD, is a loop
@@ -76,7 +77,8 @@ class TransformersGenerator:
         from transformers import AutoModelForCausalLM
         self.device = torch.device(device)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(verifier, dtype=dtype, trust_remote_code=trust_remote_code)
+        self.model = load_verifier_weights(AutoModelForCausalLM, verifier, dtype=dtype,
+                                           trust_remote_code=trust_remote_code)
         self.model.to(self.device).eval()
         self.batch_tokens, self.eos, self.pad, self.batching = batch_tokens, eos, pad, batching
 

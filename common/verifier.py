@@ -87,6 +87,21 @@ def load_text_config(path: str, trust_remote_code: bool = False):
     return getattr(config, "text_config", None) or config
 
 
+def load_verifier_weights(model_class, path: str, **kwargs):
+    """`model_class.from_pretrained` that refuses a load reporting missing or unexpected weights: those
+    parts would run with random values and every state or measurement downstream would be wrong. A base
+    model loaded from a causal-LM checkpoint leaves its lm_head unused, which is expected."""
+    model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
+    missing = sorted(info.get("missing_keys") or [])
+    unexpected = sorted(k for k in info.get("unexpected_keys") or [] if not k.startswith("lm_head."))
+    for what, keys in (("missing", missing), ("unexpected", unexpected)):
+        if keys:
+            raise UserError(f"--verifier-path {path}: loading reported {len(keys)} {what} weights "
+                            f"({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}), which would run random; "
+                            "check the checkpoint's files (or --trust-remote-code: native classes name weights otherwise)")
+    return model
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -103,7 +118,12 @@ def verifier_fingerprint(text_config) -> str:
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    return [2, num_layers // 2, num_layers - 3]
+    """speculators' and vLLM's default [2, N/2, N-3]; below 7 layers those collide, so the ids are spread
+    over the layers instead (distinct, ascending)."""
+    ids = [2, num_layers // 2, num_layers - 3]
+    if len(set(ids)) == 3 and ids == sorted(ids) and ids[0] >= 0:
+        return ids
+    return sorted({round(k * (num_layers - 1) / 3) for k in (1, 2, 3)})
 
 
 def check_aux_layers(layers: list[int], num_layers: int) -> list[int]:

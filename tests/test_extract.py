@@ -116,7 +116,18 @@ def test_bad_input_exits_2_with_one_line(tmp_path, data_dir, foreign_verifier):
         (["--max-tokens-per-batch", "100"], "longest row"),
         (["--backend", "onnx"], "invalid choice"),
         (["--verifier-path", foreign_verifier], "another tokenizer"),
+        (["--device", "banana"], "use cuda"),
+        (["--device", "cuda"], "no CUDA"),
+        (["--writer-threads", "0"], "--writer-threads"),
     ]
     for args, words in cases:
         assert_user_error(stage("03_extract_hidden_states.py", "--data-dir", tmp_path, *args, check=False), words)
     assert not (tmp_path / "hidden_states" / f"rows_0-{ROWS}" / "manifest.json").exists()
+
+
+def test_default_aux_layers_are_distinct_for_small_verifiers():
+    from common.verifier import default_aux_layers
+    assert default_aux_layers(30) == [2, 15, 27] and default_aux_layers(61) == [2, 30, 58]  # speculators' choice
+    for n in range(4, 9):
+        ids = default_aux_layers(n)
+        assert len(ids) == 3 and ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < n, (n, ids)

@@ -97,3 +97,24 @@ def test_sigterm_saves_a_checkpoint_and_the_named_command_resumes(tmp_path, data
     again = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
     assert "already finished at step 24" in again.stdout + again.stderr
     assert metrics.read_text().count('"train"') == 24
+
+
+def test_a_verifier_with_missing_weights_is_refused(tmp_path, data_dir, other_verifier):
+    """A load that reports missing weights would extract states with random layers: one line naming them."""
+    from safetensors.torch import load_file, save_file
+    broken = tmp_path / "broken_verifier"
+    shutil.copytree(other_verifier, broken)
+    weights = load_file(broken / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    shutil.copytree(data_dir / "prepared", tmp_path / "data" / "prepared")
+    proc = stage("03_extract_hidden_states.py", "--data-dir", tmp_path / "data", "--verifier-path", broken, check=False)
+    assert_user_error(proc, "missing weights", "layers.1.mlp.down_proj.weight")
+    assert not list((tmp_path / "data" / "hidden_states").glob("*/hs_*.safetensors"))
+
+
+def test_an_output_path_that_is_a_file_is_one_line(tmp_path, data_dir):
+    blocker = tmp_path / "out"
+    blocker.write_text("not a folder")
+    proc = stage("04_train.py", "--data-dir", data_dir, "--output-dir", blocker, *QUICK_TRAIN, check=False)
+    assert_user_error(proc, str(blocker))
