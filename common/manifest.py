@@ -125,7 +125,27 @@ def find_stage_dirs(paths: list[str] | str, stage: str, sub: str) -> list[str]:
         found.extend(rows)
     for d in found:
         read_manifest(d, stage)
+    check_disjoint(found)
     return found
+
+
+def check_disjoint(folders: list[str]) -> None:
+    """Shards of one data dir must not share conversations (01 --num-samples 20 beside rows_0-200 would
+    make rows_0-20): the same rows twice would be trained twice and could land in training and validation."""
+    spans: dict = {}
+    for d in folders:
+        name = os.path.basename(os.path.normpath(d))
+        try:
+            a, b = (int(x) for x in name[len("rows_"):].split("-"))
+        except ValueError:
+            continue
+        spans.setdefault(os.path.dirname(os.path.abspath(d)), []).append((a, b, d))
+    for shards in spans.values():
+        shards.sort()
+        for (a1, b1, d1), (a2, b2, d2) in zip(shards, shards[1:]):
+            if a2 < b1:
+                raise UserError(f"{d1} and {d2} overlap (conversations {a2}-{min(b1, b2)} are in both); delete one: "
+                                "01's --rows shards of one data dir must not overlap")
 
 
 def extracted_from(folder: str, manifest: dict) -> str:

@@ -118,3 +118,12 @@ def test_an_output_path_that_is_a_file_is_one_line(tmp_path, data_dir):
     blocker.write_text("not a folder")
     proc = stage("04_train.py", "--data-dir", data_dir, "--output-dir", blocker, *QUICK_TRAIN, check=False)
     assert_user_error(proc, str(blocker))
+
+
+def test_overlapping_shards_are_refused(tmp_path, data_dir):
+    """01 --num-samples 20 beside rows_0-64 makes rows_0-20: the same conversations twice."""
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir / "prepared", copy / "prepared")
+    stage("01_prepare_dataset.py", "--data-dir", copy, "--num-samples", 20, "--max-seq-len", SEQ)
+    proc = stage("02_build_vocab_mapping.py", "--data-dir", copy, check=False)
+    assert_user_error(proc, "rows_0-20", f"rows_0-{ROWS}", "overlap")
