@@ -29,6 +29,7 @@ train() {  # NAME FLAGS...: 04 on the config, its best checkpoint slimmed into t
 
 regen_loop() {  # shards of RSHARD conversations, one at a time (the GPU batches within a shard)
   local a=0 last=0
+  [ "$REGEN_S" -gt 0 ] || return 0
   while [ $a -lt $N ]; do
     local now=$(( $(date +%s) - T0 )); [ $((now + last)) -gt $REGEN_S ] && break
     local b=$((a + RSHARD)); [ $b -gt $N ] && b=$N
