@@ -128,8 +128,7 @@ def run_fingerprint(args, aux, verifier_hash, draft_vocab) -> str:
     """What a resumed run must share with the checkpoint it continues."""
     return sha256_json({"verifier": verifier_hash, "aux": aux, "draft_vocab": draft_vocab, "ttt": args.ttt_steps,
                         "max_seq_len": args.max_seq_len, "val_ratio": args.val_ratio, "seed": args.seed,
-                        "norm_before_fc": args.norm_before_fc, "norm_output": args.norm_output,
-                        "optimizer": args.optimizer})
+                        "norms": [args.norm_before_fc, args.norm_output], "optimizer": args.optimizer})
 
 
 @dataclass
