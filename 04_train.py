@@ -102,6 +102,11 @@ def run(args):
         raise UserError("--muon-lr sets the Muon group's lr: add --optimizer muon")
     if args.compile_wait and not args.compile:
         raise UserError("--compile-wait changes how --compile compiles: add --compile")
+    from speculators.losses import resolve_loss_config
+    try:
+        resolve_loss_config(args.loss, "eager")
+    except ValueError as e:
+        raise UserError(f"--loss {args.loss}: {e}")
     args.vocab_mapping_dir = args.vocab_mapping_dir or default_vocab_dir(args.data_dir)
     os.makedirs(args.output_dir, exist_ok=True)
     rank0 = int(os.environ.get("RANK", 0)) == 0

@@ -182,6 +182,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, data_dir, hs_dir, other_verif
         (["--data-dir", data_dir, "--muon-lr", 1e-3], "add --optimizer muon"),
         (["--data-dir", data_dir, "--best-by", "bleu"], "invalid choice"),
         (["--data-dir", data_dir, "--max-steps", 0], "--max-steps"),
+        (["--data-dir", data_dir, "--loss", "nonsense"], "unknown loss function"),
     ]
     for args, words in cases:
         assert_user_error(stage("04_train.py", *common, *args, check=False), words)
