@@ -20,7 +20,12 @@ ROWS, SEQ = 64, 256          # small real data: ~14K tokens, a minute of extract
 DRAFT_VOCAB = 4096
 
 
-def stage(script: str, *args, check: bool = True, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+# A guard against a hung stage only: a busy 2-core machine can take several times the usual minutes
+HANG_GUARD_S = 3600
+
+
+def stage(script: str, *args, check: bool = True, timeout: int = HANG_GUARD_S,
+          env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a numbered script (with `env` added to the environment); return the completed process."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})

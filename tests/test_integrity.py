@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, ROWS, SEQ, assert_user_error, read_json, stage
+from conftest import HANG_GUARD_S, ROOT, ROWS, SEQ, assert_user_error, read_json, stage
 
 QUICK_TRAIN = ["--max-steps", 2, "--max-seq-len", 1024, "--num-workers", 1, "--val-ratio", 0.1]
 
@@ -62,7 +62,7 @@ def test_one_run_writes_a_folder_and_a_dead_runs_lock_is_taken_over(tmp_path, da
             "--max-steps", "1000", "--max-seq-len", "1024", "--num-workers", "1"]
     first = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 600
+        deadline = time.time() + HANG_GUARD_S
         while not (out / ".lock").exists() and first.poll() is None and time.time() < deadline:
             time.sleep(0.2)
         second = stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--resume", *QUICK_TRAIN, check=False)
@@ -84,7 +84,7 @@ def test_sigterm_saves_a_checkpoint_and_the_named_command_resumes(tmp_path, data
     while proc.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=600)
+    stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "stopped by SIGTERM" in errors[0] and "Traceback" not in stderr
