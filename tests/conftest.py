@@ -5,8 +5,10 @@ session and shared (the vLLM tests start their own engines, one per configuratio
 """
 import json
 import os
+import signal
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
@@ -34,8 +36,23 @@ def stage(script: str, *args, check: bool = True, timeout: int = HANG_GUARD_S,
     return proc
 
 
+COVERED = Counter()  # faults the suite injected, printed at its end
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"fault injection: {COVERED['kill']} stage runs killed (SIGKILL/SIGTERM) and resumed "
+                                f"or checked, {COVERED['bad_input']} bad inputs answered with exit 2 and one line")
+
+
+def kill(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Kill a stage run mid-way (counted for the suite's summary)."""
+    proc.send_signal(sig)
+    COVERED["kill"] += 1
+
+
 def assert_user_error(proc: subprocess.CompletedProcess, *words: str) -> None:
     """Exit code 2, one line on stderr naming the problem, no traceback."""
+    COVERED["bad_input"] += 1
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:") or ": error:" in line]

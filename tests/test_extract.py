@@ -1,7 +1,6 @@
 """Stage 03 on the real verifier: layout, equality with an unbatched forward, resume, both backends."""
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -10,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.data import load_prepared
-from conftest import ROOT, ROWS, assert_user_error, read_json, stage
+from conftest import ROOT, ROWS, assert_user_error, kill, read_json, stage
 
 
 def test_files_match_an_unbatched_forward(verifier, prepared_dir, hs_dir):
@@ -47,7 +46,7 @@ def test_resume_after_kill_and_corrupt_file_redone(tmp_path, data_dir, hs_dir):
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while proc.poll() is None and len([f for f in os.listdir(out)] if out.exists() else []) < 12:
         pass
-    proc.send_signal(signal.SIGKILL)
+    kill(proc)
     proc.wait()
     done = [f for f in os.listdir(out) if f.endswith(".safetensors")]
     assert 0 < len(done) < len(os.listdir(hs_dir)) and not (out / "manifest.json").exists()

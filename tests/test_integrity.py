@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import HANG_GUARD_S, ROOT, ROWS, SEQ, assert_user_error, read_json, stage
+from conftest import HANG_GUARD_S, ROOT, ROWS, SEQ, assert_user_error, kill, read_json, stage
 
 QUICK_TRAIN = ["--max-steps", 2, "--max-seq-len", 1024, "--num-workers", 1, "--val-ratio", 0.1]
 
@@ -68,7 +68,7 @@ def test_one_run_writes_a_folder_and_a_dead_runs_lock_is_taken_over(tmp_path, da
         second = stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--resume", *QUICK_TRAIN, check=False)
         assert_user_error(second, "being written by another run", f"pid {first.pid}")
     finally:
-        first.send_signal(signal.SIGKILL)
+        kill(first)
         first.wait()
     log = stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--resume", *QUICK_TRAIN).stdout
     assert f"taking over the lock of a run that ended without releasing it (pid {first.pid}" in log
@@ -83,7 +83,7 @@ def test_sigterm_saves_a_checkpoint_and_the_named_command_resumes(tmp_path, data
     metrics = out / "metrics.jsonl"
     while proc.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
         time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
+    kill(proc, signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]

@@ -1,7 +1,6 @@
 """Stage 01 on the real SmolLM2 tokenizer and real ShareGPT conversations."""
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -10,7 +9,7 @@ import pytest
 
 from common.data import load_records, normalize, tokenize_with_mask
 from common.data import load_prepared
-from conftest import ROOT, ROWS, SEQ, assert_user_error, read_json, stage
+from conftest import ROOT, ROWS, SEQ, assert_user_error, kill, read_json, stage
 
 
 def multi_turn_conversation():
@@ -61,7 +60,7 @@ def test_killed_run_rerun_gives_the_same_output(tmp_path, prepared_dir):
     for line in proc.stdout:  # kill it while it tokenizes
         if "preparing rows" in line:
             time.sleep(0.3)
-            proc.send_signal(signal.SIGKILL)
+            kill(proc)
             break
     proc.wait()
     out = tmp_path / "prepared" / f"rows_0-{ROWS}"

@@ -2,7 +2,6 @@
 trained tokens are exactly its greedy continuation of the conversation so far."""
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from common.data import HELD_OUT_EVERY, load_prepared, load_records, normalize, prepare_rows
-from conftest import ROOT, assert_user_error, read_json, stage
+from conftest import ROOT, assert_user_error, kill, read_json, stage
 
 # short questions get short answers, so replies end by themselves and later turns are regenerated too
 QUESTIONS = [["What is 2+2? Answer with a number only.", "And 3+3?", "Thanks! Now say goodbye in one word."],
@@ -87,7 +86,7 @@ def test_killed_regeneration_resumes_without_redoing_parts(tmp_path, chats, rege
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while proc.poll() is None and not (parts / "part_00000.jsonl").exists():
         time.sleep(0.1)
-    proc.send_signal(signal.SIGKILL)
+    kill(proc)
     proc.wait()
     assert not (tmp_path / "prepared" / f"rows_0-{len(QUESTIONS)}" / "manifest.json").exists()
     done = sorted(p.name for p in parts.glob("part_*.jsonl"))

@@ -2,7 +2,6 @@
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -11,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, TRAIN_ARGS, assert_user_error, read_json, stage
+from conftest import ROOT, TRAIN_ARGS, assert_user_error, kill, read_json, stage
 
 
 def records(out, split):
@@ -58,7 +57,7 @@ def test_killed_after_a_checkpoint_and_resumed_matches_uninterrupted(tmp_path, d
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while proc.poll() is None and not (out / "checkpoints" / "epoch_2").exists():
         time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
+    kill(proc)
     proc.wait()
     assert not (out / "checkpoints" / "epoch_4").exists()
     stage("04_train.py", *args[2:], "--resume")
