@@ -7,6 +7,7 @@ top-level keys (applied to every stage that has that flag) and optional per-stag
 import argparse
 import difflib
 import os
+import signal
 import sys
 import time
 
@@ -170,6 +171,9 @@ def run_stage(stage: str, parser: argparse.ArgumentParser, run, argv=None) -> No
     except OSError as e:  # the log's folder cannot be made: the data or output path is a file, or read-only
         print(f"error: {path_error(e)}", file=sys.stderr)
         sys.exit(2)
+    def on_sigterm(signum, frame):  # a scheduler or `kill`: stop as Ctrl-C does, with a line in the log
+        raise KeyboardInterrupt(signum)
+    signal.signal(signal.SIGTERM, on_sigterm)
     start = time.time()
     log.info(f"=== {stage} start ===")
     for k, v in effective_config(args).items():
@@ -184,9 +188,13 @@ def run_stage(stage: str, parser: argparse.ArgumentParser, run, argv=None) -> No
         log.error(str(e))
         print(f"error: {e}", file=sys.stderr)
         sys.exit(128 + e.signum)
-    except KeyboardInterrupt:
-        log.error("interrupted; rerun the same command to resume")
-        sys.exit(130)
+    except KeyboardInterrupt as e:
+        signum = e.args[0] if e.args else signal.SIGINT
+        resume = "rerun the same command with --resume" if stage == "04_train" else "rerun the same command"
+        message = f"stopped by {signal.Signals(signum).name}: nothing half-written is kept; {resume} to continue"
+        log.error(message)
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(128 + signum)
     except OSError as e:  # a path the stage cannot use: a file where a folder belongs, no permission, EIO, ...
         if not e.filename:
             raise

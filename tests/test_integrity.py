@@ -127,3 +127,17 @@ def test_overlapping_shards_are_refused(tmp_path, data_dir):
     stage("01_prepare_dataset.py", "--data-dir", copy, "--num-samples", 20, "--max-seq-len", SEQ)
     proc = stage("02_build_vocab_mapping.py", "--data-dir", copy, check=False)
     assert_user_error(proc, "rows_0-20", f"rows_0-{ROWS}", "overlap")
+
+
+def test_sigterm_stops_01_with_a_line_and_nothing_complete_looking(tmp_path):
+    args = [sys.executable, os.path.join(ROOT, "01_prepare_dataset.py"), "--data-dir", str(tmp_path),
+            "--num-samples", "400", "--max-seq-len", str(SEQ)]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "logs" / "01_prepare_dataset.log"
+    while proc.poll() is None and not (log.exists() and "preparing rows" in log.read_text()):
+        time.sleep(0.1)
+    kill(proc, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=HANG_GUARD_S)
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr
+    assert "stopped by SIGTERM" in stderr and "stopped by SIGTERM" in log.read_text()
+    assert not list(tmp_path.glob("prepared/*/manifest.json"))
