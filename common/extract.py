@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from safetensors import safe_open
+from hs_connectors.fp8_utils import SCALES_KEY as SCALES, quantize_tensor_to_fp8
 from safetensors.torch import save_file
 
 from common.cli import UserError
@@ -41,17 +42,6 @@ def plan_batches(lengths: dict[int, int], max_tokens: int) -> list[list[int]]:
     return batches
 
 
-SCALES = "hidden_states_scales"  # hs-connectors' name (fp8_utils.SCALES_KEY)
-
-
-def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token fp8, as hs-connectors' quantize_tensor_to_fp8: one float32 scale per token over all its
-    layers and dimensions (scale = amax / 448), so a dequantized state is fp8 * scale."""
-    fp32 = states.float()
-    scale = (fp32.abs().amax(dim=(1, 2), keepdim=True) / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
-    return (fp32 / scale).to(torch.float8_e4m3fn), scale
-
-
 def file_is_valid(path: str, token_ids: list[int], n_slots: int, hidden_size: int, fp8: bool = False) -> bool:
     """A complete file of the right row: readable header, expected shapes and dtype, same tokens."""
     try:
@@ -75,7 +65,7 @@ def save_row(path: str, token_ids, states: torch.Tensor, loss_mask, fp8: bool = 
     tensors = {"token_ids": torch.as_tensor(token_ids, dtype=torch.int64),
                "loss_mask": torch.as_tensor(loss_mask, dtype=torch.int64)}
     if fp8:
-        tensors["hidden_states"], tensors[SCALES] = quantize_fp8(states)
+        tensors["hidden_states"], tensors[SCALES] = quantize_tensor_to_fp8(states)  # hs-connectors' own
     else:
         tensors["hidden_states"] = states.contiguous()
     save_file(tensors, tmp)

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+from hs_connectors.fp8_utils import dequantize_fp8_tensor
 
 from common.cli import UserError
 from common.data import load_prepared
@@ -121,7 +122,7 @@ class PackedBatches:
         ids, mask = buf["ids"][:raw].to(dev, non_blocking=True), buf["mask"][:raw].to(dev, non_blocking=True)
         src, pos, doc = buf["layout"][:, :n].to(dev, non_blocking=True)
         if self.fp8:  # dequantized on the device, as hs-connectors' FP8Transfer does
-            states = states.to(self.dtype) * buf["scales"][:raw].to(dev, non_blocking=True).to(self.dtype)
+            states = dequantize_fp8_tensor(states, buf["scales"][:raw].to(dev, non_blocking=True), self.dtype)
         if dev.type == "cuda":  # the host buffer may be refilled once these copies are done
             buf["release"] = torch.cuda.Event()
             buf["release"].record()
