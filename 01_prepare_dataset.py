@@ -37,11 +37,12 @@ def build_parser():
     g.add_argument("--regen-chunk", type=int, default=1024,
                    help="conversations per resumable part (one file each, written when the part is done)")
     g.add_argument("--regen-batch-tokens", type=int, default=1 << 20,
-                   help="transformers: prompt+reply tokens per padded batch, or of the continuous batching's KV "
-                        "cache (GPU memory)")
-    g.add_argument("--regen-batching", choices=["auto", "padded", "continuous"], default="auto",
-                   help="transformers: padded generate() batches, or continuous batching (generate_batch: paged KV "
-                        "cache, CUDA graphs; the fast one on a GPU); auto: continuous on CUDA, padded on the CPU")
+                   help="transformers: prompt+reply tokens per padded batch, or of the KV cache of the slots or the "
+                        "continuous batching (GPU memory; slots: this many tokens / --max-seq-len rows)")
+    g.add_argument("--regen-batching", choices=["auto", "padded", "continuous", "slots"], default="auto",
+                   help="transformers: padded generate() batches; continuous batching (generate_batch: paged KV "
+                        "cache; its scheduler is slow); or slots (a fixed KV cache of rows refilled as replies end, "
+                        "Llama-style verifiers, the fast one on a GPU); auto: slots on CUDA, padded on the CPU")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs the verifier is split over")
     g.add_argument("--device", default="auto", help="transformers: device of the verifier (auto: cuda if there is one)")
     return p

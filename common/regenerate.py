@@ -66,25 +66,52 @@ def exact_tokens(tokenizer, prompt: list[int], reply: list[int], conversation: l
     return n
 
 
+def sampler(temperature: float, top_p: float, seed: int, device):
+    """logits [rows, vocab] -> the next token of each row: argmax, or sampled with temperature and top-p."""
+    if temperature == 0:
+        return lambda logits: logits.argmax(-1)
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def pick(logits):
+        probs = torch.softmax(logits / temperature, -1)
+        if top_p < 1:  # the smallest set of most likely tokens whose mass reaches top_p
+            top, order = probs.sort(-1, descending=True)
+            probs = torch.zeros_like(probs).scatter(-1, order, top * (top.cumsum(-1) - top < top_p))
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return pick
+
+
 class TransformersGenerator:
-    """transformers generation, in one of two batchings: `padded` (generate() on left-padded batches, prompts
-    sorted by length and batched by a token budget: quick on the CPU) or `continuous` (generate_batch(): a
-    paged KV cache that refills finished slots, with CUDA graphs on a GPU; several times the padded speed
-    there, several times slower on the CPU)."""
+    """transformers generation, in one of three batchings: `padded` (generate() on left-padded batches, prompts
+    sorted by length and batched by a token budget: quick on the CPU), `continuous` (generate_batch(): a
+    paged KV cache that refills finished slots; several times slower on the CPU, and its scheduler held the
+    H200 to 1.6K tokens/s) or `slots` (common/slot_decode.py: fixed cache slots, refilled in groups; Llama-style
+    verifiers; the fast one on a GPU)."""
 
     def __init__(self, verifier: str, device: str, trust_remote_code: bool, batch_tokens: int, eos: int, pad: int,
-                 batching: str = "padded"):
+                 batching: str = "padded", max_len: int = 0):
         from transformers import AutoModelForCausalLM
         self.device = torch.device(device)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.model = load_verifier_weights(AutoModelForCausalLM, verifier, dtype=dtype,
                                            trust_remote_code=trust_remote_code)
         self.model.to(self.device).eval()
-        self.batch_tokens, self.eos, self.pad, self.batching = batch_tokens, eos, pad, batching
+        self.batch_tokens, self.eos, self.pad, self.batching, self.max_len = batch_tokens, eos, pad, batching, max_len
+        if batching == "slots":
+            from common.slot_decode import check_supported
+            check_supported(self.model)
 
     def __call__(self, prompts, max_new, temperature, top_p, seeds):
-        run = self.continuous if self.batching == "continuous" else self.padded
+        run = {"continuous": self.continuous, "slots": self.slots}.get(self.batching, self.padded)
         return run(prompts, max_new, temperature, top_p, seeds)
+
+    def slots(self, prompts, max_new, temperature, top_p, seeds):
+        from common.slot_decode import SlotDecoder
+        # a cache of --regen-batch-tokens tokens in rows of --max-seq-len, no more rows than prompts
+        rows = max(1, min(len(prompts), self.batch_tokens // self.max_len))
+        decoder = SlotDecoder(self.model, rows, self.max_len, prefill_tokens=min(self.batch_tokens, 1 << 15))
+        pick = sampler(temperature, top_p, seeds[0], self.device)
+        return decoder.generate(prompts, max_new, pick, self.eos)
 
     @torch.no_grad()
     def continuous(self, prompts, max_new, temperature, top_p, seeds):
@@ -259,10 +286,10 @@ def regenerate(records: list, tokenizer, verifier: str, verifier_hash: str, fold
         else:
             batching = args.regen_batching
             if batching == "auto":
-                batching = "continuous" if args.device.startswith("cuda") else "padded"
+                batching = "slots" if args.device.startswith("cuda") else "padded"
             generate = TransformersGenerator(verifier, args.device, args.trust_remote_code, args.regen_batch_tokens,
                                              eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
-                                             batching)
+                                             batching, args.max_seq_len)
             log.info(f"regeneration: transformers on {args.device}, {batching} batching")
     start, now = time.time(), Counter()  # `now`: what this run generated, for its rate
     progress = Progress(sum(len(parts[k]) for k in todo), "conversations", desc="regenerated",

@@ -114,6 +114,16 @@ def test_continuous_batching_gives_the_same_rows(tmp_path, chats, regenerated):
     assert load_prepared(str(tmp_path / folder)).to_dict() == load_prepared(str(regenerated / folder)).to_dict()
 
 
+def test_slot_batching_gives_the_same_rows(tmp_path, chats, regenerated):
+    """common/slot_decode.py (the GPU path: fixed cache slots, its own decode step, refilled as replies end,
+    here 2 slots for 3 conversations so a slot is refilled) writes the padded path's rows."""
+    log = stage("01_prepare_dataset.py", "--data-dir", tmp_path, "--dataset", chats, "--regenerate", "transformers",
+                "--regen-batching", "slots", "--regen-batch-tokens", 640, *REGEN, "--regen-chunk", 3).stdout
+    assert "slots batching" in log
+    folder = f"prepared/rows_0-{len(QUESTIONS)}"
+    assert load_prepared(str(tmp_path / folder)).to_dict() == load_prepared(str(regenerated / folder)).to_dict()
+
+
 @pytest.mark.slow
 def test_vllm_backend_gives_the_verifiers_greedy_replies(tmp_path, chats, verifier):
     stage("01_prepare_dataset.py", "--data-dir", tmp_path, "--dataset", chats, "--regenerate", "vllm", *REGEN)

@@ -1,0 +1,135 @@
+"""Batched generation in a KV cache of fixed slots (01 --regen-batching slots), for Llama-style verifiers.
+
+transformers' own batching is slow where 01 regenerates on a GPU without vLLM: padded generate() waits
+for the longest reply of each batch and its cache grows by concatenation; generate_batch()'s Python
+scheduler held one core at 1.6K tokens/s on the H200. Here every row owns one slot of a preallocated
+[slots, kv heads, max_len, head dim] cache per layer and its own position; one decode step runs all
+slots at once (a finished slot's work is wasted until it is refilled), and free slots are refilled in
+groups: the new prompts are prefilled by the model's own forward (right-padded) and their keys and
+values copied into the slots. The decode step reuses the model's modules and transformers' rotary
+code, so only the attention over the slots is written here.
+"""
+from collections import deque
+
+import torch
+import torch.nn.functional as F
+
+from common.cli import UserError
+
+
+def check_supported(model):
+    """A one-line error unless the model is a plain decoder this module knows how to step."""
+    inner = getattr(model, "model", None)
+    needed = ["embed_tokens", "layers", "norm", "rotary_emb"]
+    layer = inner.layers[0] if inner is not None and hasattr(inner, "layers") else None
+    parts = ["self_attn", "input_layernorm", "post_attention_layernorm", "mlp"]
+    ok = (inner is not None and all(hasattr(inner, n) for n in needed) and hasattr(model, "lm_head")
+          and all(hasattr(layer, n) for n in parts)
+          and all(hasattr(layer.self_attn, n) for n in ["q_proj", "k_proj", "v_proj", "o_proj"])
+          and not getattr(layer.self_attn, "sliding_window", None))
+    if not ok:
+        raise UserError(f"--regen-batching slots: {type(model).__name__} is not a Llama-style decoder without "
+                        "sliding windows; use --regen-batching padded, or --regenerate vllm")
+
+
+class SlotDecoder:
+    def __init__(self, model, slots: int, max_len: int, prefill_tokens: int):
+        check_supported(model)
+        self.model, self.inner = model, model.model
+        c = model.config
+        self.heads = c.num_attention_heads
+        self.kv_heads = getattr(c, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.heads
+        p = next(model.parameters())
+        shape = (len(self.inner.layers), slots, self.kv_heads, max_len, self.head_dim)
+        self.keys = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.values = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.slots, self.max_len, self.prefill_tokens = slots, max_len, prefill_tokens
+        self.rows = torch.arange(slots, device=p.device)
+        self.span = torch.arange(max_len, device=p.device)
+
+    @torch.no_grad()
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Fill `slots` with the prompts' keys and values; the logits after each prompt's last token."""
+        device = self.keys.device
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for r, p in enumerate(prompts):
+            ids[r, :len(p)] = torch.tensor(p)
+            attn[r, :len(p)] = 1
+        out = self.inner(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=True)
+        index = torch.tensor(slots, device=device)
+        for i, layer in enumerate(out.past_key_values.layers):
+            self.keys[i, index, :, :width] = layer.keys
+            self.values[i, index, :, :width] = layer.values
+        last = torch.tensor([len(p) - 1 for p in prompts], device=device)
+        return self.model.lm_head(out.last_hidden_state[torch.arange(len(prompts), device=device), last]).float()
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One token for every slot: `tokens` [slots] at positions `pos` [slots]; the next-token logits."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        n, hd, groups = self.slots, self.head_dim, self.heads // self.kv_heads
+        x = self.inner.embed_tokens(tokens[:, None])
+        cos, sin = self.inner.rotary_emb(x, pos[:, None])
+        # a slot sees its cache up to its own position; the query heads that share a key head ride as
+        # that head's rows of queries, so grouped attention needs no copies of the cache
+        mask = (self.span[None, :] <= pos[:, None])[:, None, None, :]
+        for i, layer in enumerate(self.inner.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_proj(h).view(n, 1, self.heads, hd)
+            k = a.k_proj(h).view(n, 1, self.kv_heads, hd)
+            if hasattr(a, "q_norm"):  # Qwen3's per-head norms
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            self.keys[i][self.rows, :, pos] = k[:, :, 0]
+            self.values[i][self.rows, :, pos] = a.v_proj(h).view(n, self.kv_heads, hd)
+            o = F.scaled_dot_product_attention(q.reshape(n, self.kv_heads, groups, hd), self.keys[i], self.values[i],
+                                               attn_mask=mask, scale=a.scaling)
+            x = x + a.o_proj(o.reshape(n, 1, self.heads * hd))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.lm_head(self.inner.norm(x)[:, 0]).float()
+
+    def generate(self, prompts, max_new, pick, eos: int) -> list[tuple[list[int], bool]]:
+        """Replies to `prompts`, each up to its max_new tokens or its eos; `pick(logits)` chooses tokens."""
+        device = self.keys.device
+        queue = deque(sorted(range(len(prompts)), key=lambda i: len(prompts[i])))  # similar lengths prefill together
+        replies = [[] for _ in prompts]
+        results = [None] * len(prompts)
+        owner = {}  # slot -> prompt index
+        free = list(range(self.slots))
+        tokens = torch.zeros(self.slots, dtype=torch.long, device=device)
+        pos = torch.zeros(self.slots, dtype=torch.long, device=device)
+
+        def take(slot, i, token) -> bool:  # True while prompt i goes on
+            replies[i].append(token)
+            if token == eos or len(replies[i]) >= max_new[i]:
+                results[i] = (replies[i][:-1], True) if token == eos else (replies[i], False)
+                free.append(slot)
+                return False
+            owner[slot] = i
+            return True
+
+        while queue or owner:
+            # refill once an eighth of the slots is free (or nothing runs): one prefill serves many slots
+            while queue and free and (not owner or len(free) >= max(1, self.slots // 8)):
+                group = []  # the shortest prompts first, as many as the prefill budget holds (at least one)
+                while queue and free and (not group or (len(group) + 1) * len(prompts[queue[0]]) <= self.prefill_tokens):
+                    group.append((free.pop(), queue.popleft()))
+                first = pick(self.prefill([s for s, _ in group], [prompts[i] for _, i in group])).tolist()
+                going = [(s, t, len(prompts[i])) for (s, i), t in zip(group, first) if take(s, i, t)]
+                if going:
+                    at = torch.tensor([s for s, _, _ in going], device=device)
+                    tokens[at] = torch.tensor([t for _, t, _ in going], device=device)
+                    pos[at] = torch.tensor([n for _, _, n in going], device=device)
+            if not owner:
+                continue
+            tokens = pick(self.step(tokens, pos))
+            pos = torch.clamp(pos + 1, max=self.max_len - 1)  # free slots run on harmlessly, masked
+            host = tokens.tolist()
+            for slot, i in list(owner.items()):
+                del owner[slot]
+                take(slot, i, host[slot])
+        return results
