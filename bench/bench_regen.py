@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Regeneration throughput of 01's transformers batchings on the same prompts, side by side in one run.
+
+The real verifier (the embedded default unless --verifier), the first user turns of ShareGPT conversations
+(in 01's order), greedy, the same --max-new-tokens for each; prints generated tokens/s of each batching,
+its ratio to `padded`, and how many replies equal padded's (bf16 on a GPU may flip a near-tie).
+Usage: python bench/bench_regen.py --prompts 512 --max-new-tokens 256 --batchings padded slots
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.data import load_records, normalize  # noqa: E402
+from common.regenerate import TransformersGenerator, encode, script  # noqa: E402
+from common.verifier import ensure_default_verifier  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--verifier", default=None, help="verifier path (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--prompts", type=int, default=512, help="first user turns to answer")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="slots: the length of each cache row")
+    p.add_argument("--batch-tokens", type=int, default=1 << 20, help="01's --regen-batch-tokens")
+    p.add_argument("--batchings", nargs="+", default=["padded", "slots"], help="of padded, continuous, slots")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    from transformers import AutoTokenizer
+    verifier = args.verifier or ensure_default_verifier()
+    tok = AutoTokenizer.from_pretrained(verifier)
+    prompts = []
+    for record in load_records("sharegpt"):
+        messages = normalize(record)
+        groups = [] if isinstance(messages, str) else script(messages)
+        if groups:
+            ids = encode(tok, groups[0])
+            if len(ids) + args.max_new_tokens <= args.max_seq_len:
+                prompts.append(ids)
+        if len(prompts) == args.prompts:
+            break
+    print(f"{len(prompts)} prompts, {sum(map(len, prompts)):,} prompt tokens, up to {args.max_new_tokens} new tokens, "
+          f"{args.device}")
+    first = None
+    for batching in args.batchings:
+        gen = TransformersGenerator(verifier, args.device, False, args.batch_tokens, tok.eos_token_id,
+                                    tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+                                    batching, args.max_seq_len)
+        gen(prompts[:4], [8] * 4, 0.0, 1.0, [0] * 4)  # warm-up
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.time()
+        out = gen(prompts, [args.max_new_tokens] * len(prompts), 0.0, 1.0, [0] * len(prompts))
+        seconds = time.time() - t0
+        rate = sum(len(r) + f for r, f in out) / seconds
+        first = first or (batching, rate, out)
+        same = sum(a == b for a, b in zip(out, first[2]))
+        print(f"{batching:>10}: {rate:9,.0f} generated tok/s  {rate / first[1]:5.2f}x {first[0]}  "
+              f"{same}/{len(out)} replies equal {first[0]}'s  ({seconds:.1f}s)", flush=True)
+        del gen
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
