@@ -134,12 +134,15 @@ def normalize(record) -> list[dict] | str:
     return messages
 
 
-def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of each assistant reply plus its end-of-turn token.
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]] | None:
+    """The rendered conversation and the character spans of each assistant reply plus its end-of-turn token,
+    or None where a reply cannot be found in the rendering (the conversation is then dropped, counted).
 
     A reply's span is what rendering the conversation up to and including that reply adds after
     rendering it up to the reply's generation prompt, with trailing whitespace (the newline that
-    templates put after end-of-turn) left out. This needs no `{% generation %}` markers.
+    templates put after end-of-turn) left out. This needs no `{% generation %}` markers. Templates that
+    render a turn differently once later turns follow (Qwen3 puts an empty thinking block on the last
+    reply only) get the reply's own text, found in place, plus the end-of-turn that follows it.
     """
     def render(msgs, gen):
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
@@ -151,18 +154,38 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
             continue
         before = render(messages[:i], True) if i else ""
         through = render(messages[: i + 1], False)
-        if not (through.startswith(before) and text.startswith(through)):
-            raise UserError("the verifier's chat template renders earlier turns differently as the conversation "
-                            "grows (for example it drops past reasoning); the loss mask cannot be placed")
-        end = len(through.rstrip())
+        if through.startswith(before) and text.startswith(through):
+            start, end = len(before), len(through.rstrip())
+            content_at = through.find(m["content"], start)
+        else:
+            start = content_at = in_place(text, render(messages[:i], False) if i else "", m["content"])
+            if start < 0:
+                return None
+            # the end-of-turn: what follows the reply when it is the last turn rendered
+            tail = through[through.rfind(m["content"].strip()) + len(m["content"].strip()):].rstrip()
+            end = content_at + len(m["content"].strip())
+            if not text.startswith(tail, end):
+                return None
+            end += len(tail)
         if m.get("trained_chars") is not None:  # a regenerated reply whose tail (or end-of-turn) is not the verifier's
-            end = through.find(m["content"], len(before)) + m["trained_chars"]
-        spans.append((len(before), end))
+            end = content_at + m["trained_chars"]
+        spans.append((start, end))
     return text, spans
 
 
-def tokenize_with_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    text, spans = assistant_spans(tokenizer, messages)
+def in_place(text: str, prefix: str, content: str) -> int:
+    """Where a reply's text starts in the rendered conversation, after the turns before it; -1 if not there."""
+    if not text.startswith(prefix):
+        return -1
+    at = text.find(content, len(prefix))
+    return at if at >= 0 else text.find(content.strip(), len(prefix))
+
+
+def tokenize_with_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]] | None:
+    placed = assistant_spans(tokenizer, messages)
+    if placed is None:
+        return None
+    text, spans = placed
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [0] * len(enc["input_ids"])
     for j, (start, _end) in enumerate(enc["offset_mapping"]):
@@ -186,8 +209,10 @@ def prepare_rows(tokenizer, records: list, max_seq_len: int, on_row=None):
         messages = record if isinstance(record, str) else normalize(record)
         if isinstance(messages, str):
             dropped[messages] += 1
+        elif (tokenized := tokenize_with_mask(tokenizer, messages)) is None:
+            dropped["mask_not_placed"] += 1  # a reply the chat template does not render as written
         else:
-            ids, mask = tokenize_with_mask(tokenizer, messages)
+            ids, mask = tokenized
             if all(mask):
                 raise UserError("the loss mask covers every token: the chat template's assistant turns could not "
                                 "be told apart from the prompt")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from common.data import load_records, normalize, tokenize_with_mask
+from common.data import load_records, normalize, prepare_rows, tokenize_with_mask
 from common.data import load_prepared
 from conftest import ROOT, ROWS, SEQ, assert_user_error, kill, read_json, stage
 
@@ -31,6 +31,35 @@ def test_mask_decodes_to_exactly_the_assistant_replies(tokenizer):
     unmasked = tokenizer.decode([i for i, m in zip(ids, mask) if not m])
     assert "You are a helpful AI assistant" in unmasked and unmasked.count("<|im_start|>assistant") == sum(
         m["role"] == "assistant" for m in messages)
+
+
+def test_qwen3_thinking_template_masks_every_reply_and_never_stops_the_stage(tokenizer):
+    """Qwen3's template (as vLLM ships it for MiniCPM-V 4.5, which reuses it) renders an empty thinking block
+    on the last reply only, so earlier turns render differently as the chat grows. Every reply is still
+    trained exactly; a conversation whose reply the template does not render as written is dropped, counted."""
+    import copy
+
+    import vllm
+    path = os.path.join(os.path.dirname(vllm.__file__), "transformers_utils", "chat_templates",
+                        "template_minicpmv45.jinja")
+    qwen = copy.copy(tokenizer)
+    with open(path) as f:
+        qwen.chat_template = f.read()
+    messages = [m for m in multi_turn_conversation() if m["role"] != "system"]
+    text = qwen.apply_chat_template(messages, tokenize=False)
+    assert text.count("<think>") == 1  # on the last reply only
+    ids, mask = tokenize_with_mask(qwen, messages)
+    masked = qwen.decode([i for i, m in zip(ids, mask) if m])
+    assert masked == "".join(m["content"].strip() + "<|im_end|>" for m in messages if m["role"] == "assistant")
+    # a template that rewrites replies: that conversation is dropped and counted, the others keep their rows
+    shouting = copy.copy(tokenizer)
+    shouting.chat_template = tokenizer.chat_template.replace("message['content']", "(message['content'] | upper "
+                                                             "if message['role'] == 'assistant' and not loop.last "
+                                                             "else message['content'])")
+    assert shouting.apply_chat_template(messages, tokenize=False) != tokenizer.apply_chat_template(messages,
+                                                                                                   tokenize=False)
+    rows, dropped = prepare_rows(shouting, [(0, messages), (1, messages[:2])], 4096)
+    assert dropped == {"mask_not_placed": 1} and [r["conversation_id"] for r in rows] == [1]
 
 
 def test_openai_shape_and_messages_column_give_the_same_rows(tokenizer):
