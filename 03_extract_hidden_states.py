@@ -114,7 +114,9 @@ def extract_locked(args, prepared, out, verifier, text_config, aux, tok_hash):
                         "free space, choose another --data-dir, or pass --force")
     start = time.time()
     if todo:
-        writer = RowWriter(args.writer_threads, capacity=args.max_tokens_per_batch * n_slots * hidden, fp8=fp8)
+        # the pinned ring serves the transformers path's GPU copies; vLLM's connector hands over host tensors
+        ring = args.max_tokens_per_batch * n_slots * hidden if args.backend == "transformers" else 0
+        writer = RowWriter(args.writer_threads, capacity=ring, fp8=fp8)
         done_tokens = {"n": 0}
         progress = Progress(len(todo), "rows", extra=lambda: (
             f"{done_tokens['n'] / max(time.time() - start, 1e-9):,.0f} tok/s {writer.bytes / 1e9:.2f} GB written"))

@@ -34,6 +34,10 @@ def build_parser():
                    help="vllm (real speculative decoding) or transformers (simulated greedy chain, no vLLM needed)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="verifier dtype (default bfloat16 on a GPU, float32 on the CPU)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="vllm backend: GPUs the verifier (and its draft) are split over, as you serve it")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="vllm backend: share of each GPU's memory the engine may take (weights + KV cache)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="transformers backend device")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt choice and of sampling")
     return p
@@ -58,6 +62,10 @@ def run(args):
     from common import evaluate as ev
     if args.num_speculative_tokens < 1:
         raise UserError(f"--num-speculative-tokens {args.num_speculative_tokens}: must be at least 1")
+    if args.tensor_parallel_size < 1:
+        raise UserError(f"--tensor-parallel-size {args.tensor_parallel_size}: must be at least 1")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise UserError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
     if args.temperature < 0 or args.num_prompts < 1 or args.max_new_tokens < 1:
         raise UserError("--temperature must be >= 0, --num-prompts and --max-new-tokens >= 1")
     if args.backend == "transformers" and args.temperature > 0:

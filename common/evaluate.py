@@ -74,9 +74,12 @@ def vllm_engine(verifier: str, args, draft: str | None = None):
     from vllm import LLM
     spec = None if draft is None else {"method": "eagle3", "model": draft,
                                        "num_speculative_tokens": args.num_speculative_tokens}
+    # text prompts only: a multimodal wrapper (Kimi-K2.5) runs without building its vision tower
     return LLM(model=verifier, speculative_config=spec, disable_log_stats=False, enforce_eager=True,
                max_model_len=args.max_model_len, dtype=args.dtype, seed=args.seed,
-               trust_remote_code=args.trust_remote_code, enable_prefix_caching=False)
+               trust_remote_code=args.trust_remote_code, enable_prefix_caching=False,
+               tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=args.gpu_memory_utilization,
+               language_model_only=True)
 
 
 def spec_counters(llm) -> dict:

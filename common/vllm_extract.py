@@ -51,6 +51,7 @@ class VllmBackend:
             model=verifier, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
             trust_remote_code=trust_remote_code, max_model_len=max_len + 1, enforce_eager=True,
             enable_prefix_caching=False,  # every prompt token must be computed to be stored
+            language_model_only=True,  # text only: a multimodal wrapper's vision tower is not built
             speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                 "draft_model_config": {"hf_config": {
                                     # the final decoder layer's output (id N) rides along as the last slot

@@ -12,8 +12,8 @@
 #          without regenerated data, C trains on orig (the 2026-12-03 runs a and c).
 # Each best checkpoint is slimmed (recipes/slim_checkpoint.py) into $W/results/NAME.tar; logs into logs.tgz.
 set -uo pipefail
-W=${W:-/tmp/e3}; N=${N:-12000}; SHARDS=${SHARDS:-8}; RSHARD=${RSHARD:-2000}; REGEN_S=${REGEN_S:-420}
-NREGEN=${NREGEN:-6000}; EPOCHS=${EPOCHS:-3}; PY=${PY:-python3}; CFG=${CFG:-configs/full-size.yaml}; C=${C:-1}
+W=${W:-/tmp/e3}; N=${N:-12000}; SHARDS=${SHARDS:-8}; RSHARD=${RSHARD:-2000}; REGEN_S=${REGEN_S:-300}
+NREGEN=${NREGEN:-4000}; EPOCHS=${EPOCHS:-3}; PY=${PY:-python3}; CFG=${CFG:-configs/full-size.yaml}; C=${C:-1}
 A=${A:-1}; BENCH=${BENCH:-0}
 mkdir -p "$W/logs" "$W/results" "$W/slim"
 say() { echo "$(date +%T) $*"; }
@@ -43,7 +43,7 @@ regen_loop() {  # shards of RSHARD conversations, one at a time (the GPU batches
 }
 
 if [ "$BENCH" = 1 ]; then
-  $PY bench/bench_regen.py --prompts 512 --max-new-tokens 256 > $W/logs/bench_regen.out 2>&1
+  $PY bench/bench_regen.py --prompts 256 --max-new-tokens 128 > $W/logs/bench_regen.out 2>&1
   say "bench: $(grep -h 'tok/s' $W/logs/bench_regen.out | tr -s ' ' | paste -sd';')"; T0=$(date +%s)
 fi
 say "01 orig: $SHARDS shards of 0-$N; regeneration in shards of $RSHARD for ${REGEN_S}s"

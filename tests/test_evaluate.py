@@ -66,3 +66,28 @@ def test_bad_input_exits_2_with_one_line(tmp_path, trained, data_dir, other_veri
     for args, words in cases:
         assert_user_error(stage("05_evaluate.py", "--data-dir", data_dir, "--output-dir", tmp_path, *args,
                                 check=False), words)
+
+
+@pytest.mark.slow
+def test_vllm_with_tensor_parallel_2(tmp_path, tokenizer, data_dir):
+    """05 as a multi-GPU verifier is served: the engine split over 2 ranks (2 CPU processes here) for a tiny
+    random Llama, a draft of its shape, greedy output identical with and without it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from common.draft import build_draft, save_servable
+    verifier, draft = tmp_path / "llama", tmp_path / "draft"
+    torch.manual_seed(0)
+    # head dim 64 (vLLM's CPU attention kernels), heads split over the 2 ranks
+    LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+                                 num_key_value_heads=2, vocab_size=len(tokenizer), tie_word_embeddings=True,
+                                 eos_token_id=2, pad_token_id=2, bos_token_id=1)).save_pretrained(verifier)
+    tokenizer.save_pretrained(verifier)
+    save_servable(build_draft(str(verifier), [1, 2, 3], str(data_dir / "vocab_mapping"), 3, "sdpa"), str(draft))
+    log = stage("05_evaluate.py", "--verifier-path", verifier, "--draft-path", draft, "--data-dir", data_dir,
+                "--output-dir", tmp_path, "--tensor-parallel-size", 2, "--num-prompts", 2, "--max-new-tokens", 16,
+                "--max-turns", 1, "--max-prompt-len", 256,
+                env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}).stdout  # one core per rank: the machine has one NUMA node
+    assert "tensor_parallel_size=2" in log.replace(" ", "")
+    report = read_json(tmp_path / "eval" / "eval.json")["drafts"]["draft"]
+    assert report["lossless"] is True and report["drafts"] > 0
