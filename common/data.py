@@ -197,7 +197,13 @@ def tokenize_with_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list
 def load_prepared(folder: str):
     """Prepared rows as plain Python lists (the folder keeps speculators' torch format for its readers)."""
     import datasets
-    return datasets.load_from_disk(folder).with_format(None)
+    import pyarrow
+    try:
+        return datasets.load_from_disk(folder).with_format(None)
+    except (OSError, pyarrow.ArrowException) as e:  # a cut-off or overwritten arrow file
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{folder}: the prepared rows are damaged ({first}); delete the folder and rerun "
+                        "01_prepare_dataset.py for its --rows") from None
 
 
 def prepare_rows(tokenizer, records: list, max_seq_len: int, on_row=None):

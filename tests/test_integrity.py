@@ -113,6 +113,15 @@ def test_a_verifier_with_missing_weights_is_refused(tmp_path, data_dir, other_ve
     assert not list((tmp_path / "data" / "hidden_states").glob("*/hs_*.safetensors"))
 
 
+def test_cut_off_prepared_rows_are_one_line_naming_01(tmp_path, data_dir):
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir / "prepared", copy / "prepared")
+    arrow = next((copy / "prepared" / f"rows_0-{ROWS}").glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[:arrow.stat().st_size // 2])
+    proc = stage("02_build_vocab_mapping.py", "--data-dir", copy, check=False)
+    assert_user_error(proc, f"rows_0-{ROWS}", "damaged", "01_prepare_dataset.py")
+
+
 def test_an_output_path_that_is_a_file_is_one_line(tmp_path, data_dir):
     blocker = tmp_path / "out"
     blocker.write_text("not a folder")
