@@ -28,6 +28,7 @@ def main():
     p.add_argument("--batch-tokens", type=int, default=1 << 20, help="01's --regen-batch-tokens")
     p.add_argument("--batchings", nargs="+", default=["padded", "slots"], help="of padded, continuous, slots")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--fp32", action="store_true", help="float32 on the GPU too: replies then agree but for true ties")
     args = p.parse_args()
     from transformers import AutoTokenizer
     verifier = args.verifier or ensure_default_verifier()
@@ -43,12 +44,12 @@ def main():
         if len(prompts) == args.prompts:
             break
     print(f"{len(prompts)} prompts, {sum(map(len, prompts)):,} prompt tokens, up to {args.max_new_tokens} new tokens, "
-          f"{args.device}")
+          f"{args.device}, {'float32' if args.fp32 or args.device == 'cpu' else 'bfloat16'}")
     first = None
     for batching in args.batchings:
         gen = TransformersGenerator(verifier, args.device, False, args.batch_tokens, tok.eos_token_id,
                                     tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-                                    batching, args.max_seq_len)
+                                    batching, args.max_seq_len, torch.float32 if args.fp32 else None)
         gen(prompts[:4], [8] * 4, 0.0, 1.0, [0] * 4)  # warm-up
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()

@@ -89,10 +89,10 @@ class TransformersGenerator:
     verifiers; the fast one on a GPU)."""
 
     def __init__(self, verifier: str, device: str, trust_remote_code: bool, batch_tokens: int, eos: int, pad: int,
-                 batching: str = "padded", max_len: int = 0):
+                 batching: str = "padded", max_len: int = 0, dtype: torch.dtype | None = None):
         from transformers import AutoModelForCausalLM
         self.device = torch.device(device)
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.model = load_verifier_weights(AutoModelForCausalLM, verifier, dtype=dtype,
                                            trust_remote_code=trust_remote_code)
         self.model.to(self.device).eval()
@@ -105,13 +105,21 @@ class TransformersGenerator:
         run = {"continuous": self.continuous, "slots": self.slots}.get(self.batching, self.padded)
         return run(prompts, max_new, temperature, top_p, seeds)
 
+    @property
+    def streams(self) -> bool:  # takes follow-up prompts while it runs (see stream)
+        return self.batching == "slots"
+
     def slots(self, prompts, max_new, temperature, top_p, seeds):
+        return self.stream(prompts, max_new, temperature, top_p, seeds[0])
+
+    def stream(self, prompts, max_new, temperature, top_p, seed, follow=None):
+        """Replies to `prompts`; `follow(i, reply, finished)` may return a next (prompt, max_new), which is
+        appended to `prompts`/`max_new` and generated in the same run (a conversation's next turn)."""
         from common.slot_decode import SlotDecoder
         # a cache of --regen-batch-tokens tokens in rows of --max-seq-len, no more rows than prompts
         rows = max(1, min(len(prompts), self.batch_tokens // self.max_len))
         decoder = SlotDecoder(self.model, rows, self.max_len, prefill_tokens=min(self.batch_tokens, 1 << 15))
-        pick = sampler(temperature, top_p, seeds[0], self.device)
-        return decoder.generate(prompts, max_new, pick, self.eos)
+        return decoder.generate(prompts, max_new, sampler(temperature, top_p, seed, self.device), self.eos, follow)
 
     @torch.no_grad()
     def continuous(self, prompts, max_new, temperature, top_p, seeds):
@@ -187,62 +195,97 @@ class VllmGenerator:
         return results
 
 
+def next_prompt(s: dict, tokenizer, args, counts: Counter):
+    """The conversation's next reply to generate: (prompt ids, room for the reply), or None when it is done."""
+    if not s.get("open") or s["turn"] >= len(s["groups"]):
+        return None
+    history = s["history"] + s["groups"][s["turn"]]
+    ids = encode(tokenizer, history)
+    room = min(args.max_new_tokens, args.max_seq_len - len(ids))
+    if room < 1:  # no room left for a reply within --max-seq-len: the row ends here
+        s["open"] = False
+        counts["stopped_at_max_seq_len"] += 1
+        return None
+    s["pending"] = history
+    return ids, room
+
+
+def take_reply(s: dict, prompt: list[int], reply: list[int], finished: bool, tokenizer, counts: Counter) -> None:
+    """Append a generated reply to the conversation (a loop cut, an empty reply ending it)."""
+    s["turn"] += 1
+    counts["replies"] += 1
+    counts["generated_tokens"] += len(reply) + finished
+    message = {"role": "assistant"}
+    if not finished:  # cut by the length limit: its end-of-turn token is the template's, left untrained
+        counts["hit_length_limit"] += 1
+        cut = cut_loop(reply)
+        if cut is not None:
+            counts["looping"] += 1
+            reply = cut
+    message["content"] = tokenizer.decode(reply, skip_special_tokens=True)
+    if not message["content"].strip():
+        counts["empty_reply"] += 1
+        s["open"] = False
+        return
+    # The row is the whole conversation tokenized from its text (01's chat-template path): a reply
+    # that does not survive decode + encode (the verifier may emit a non-canonical split) is
+    # trained only up to where the row still holds the generated tokens.
+    s["history"] = s.pop("pending") + [message]
+    exact = exact_tokens(tokenizer, prompt, reply, s["history"])
+    if exact < len(reply):
+        counts["retokenized_replies"] += 1
+        prefix = tokenizer.decode(reply[:exact], skip_special_tokens=True)
+        message["trained_chars"] = len(prefix) if message["content"].startswith(prefix) else 0
+    elif not finished:
+        message["trained_chars"] = len(message["content"])
+
+
 def regenerate_part(generate, tokenizer, part: list, args, counts: Counter) -> list[dict]:
     # `counts` gathers this part's replies, tokens and cuts; they are saved with it
-    """Regenerate one part: rounds over reply positions, every conversation of the part batched per round."""
+    """Regenerate one part. A generator that streams (slots) takes a conversation's next turn as soon as
+    its reply ends; the others go in rounds over reply positions, every conversation batched per round."""
     states = []
     for conv_id, messages in part:
         if isinstance(messages, str):
             states.append({"id": conv_id, "dropped": messages})
         else:
-            states.append({"id": conv_id, "groups": script(messages), "history": [], "open": True})
-    for turn in range(max((len(s.get("groups", [])) for s in states), default=0)):
+            states.append({"id": conv_id, "groups": script(messages), "history": [], "open": True, "turn": 0})
+    t0 = time.time()
+    if getattr(generate, "streams", False):
+        owners, prompts, max_new = [], [], []
+        for s in states:
+            if "dropped" not in s and (first := next_prompt(s, tokenizer, args, counts)) is not None:
+                owners.append(s)
+                prompts.append(first[0])
+                max_new.append(first[1])
+
+        def follow(i: int, reply: list[int], finished: bool):
+            s = owners[i]
+            take_reply(s, prompts[i], reply, finished, tokenizer, counts)
+            nxt = next_prompt(s, tokenizer, args, counts)
+            if nxt is not None:
+                owners.append(s)
+            return nxt
+        generate.stream(prompts, max_new, args.temperature, args.top_p, args.seed, follow)
+        log.info(f"  {len(prompts)} replies, {counts['generated_tokens'] / max(time.time() - t0, 1e-9):,.0f} "
+                 "generated tok/s")
+        turns = 0  # no rounds left
+    else:
+        turns = max((len(s.get("groups", [])) for s in states), default=0)
+    for turn in range(turns):
         active, prompts, max_new = [], [], []
         for s in states:
-            if not s.get("open") or turn >= len(s["groups"]):
-                continue
-            history = s["history"] + s["groups"][turn]
-            ids = encode(tokenizer, history)
-            room = min(args.max_new_tokens, args.max_seq_len - len(ids))
-            if room < 1:  # no room left for a reply within --max-seq-len: the row ends here
-                s["open"] = False
-                counts["stopped_at_max_seq_len"] += 1
-                continue
-            s["pending"] = history
-            active.append(s)
-            prompts.append(ids)
-            max_new.append(room)
+            if "dropped" not in s and (nxt := next_prompt(s, tokenizer, args, counts)) is not None:
+                active.append(s)
+                prompts.append(nxt[0])
+                max_new.append(nxt[1])
         if not active:
             break
         seeds = [args.seed * 1_000_003 + s["id"] * 101 + turn for s in active]
         t0, before = time.time(), counts["generated_tokens"]
         replies = generate(prompts, max_new, args.temperature, args.top_p, seeds)
         for s, prompt, (reply, finished) in zip(active, prompts, replies):
-            counts["replies"] += 1
-            counts["generated_tokens"] += len(reply) + finished
-            message = {"role": "assistant"}
-            if not finished:  # cut by the length limit: its end-of-turn token is the template's, left untrained
-                counts["hit_length_limit"] += 1
-                cut = cut_loop(reply)
-                if cut is not None:
-                    counts["looping"] += 1
-                    reply = cut
-            message["content"] = tokenizer.decode(reply, skip_special_tokens=True)
-            if not message["content"].strip():
-                counts["empty_reply"] += 1
-                s["open"] = False
-                continue
-            # The row is the whole conversation tokenized from its text (01's chat-template path): a reply
-            # that does not survive decode + encode (the verifier may emit a non-canonical split) is
-            # trained only up to where the row still holds the generated tokens.
-            s["history"] = s.pop("pending") + [message]
-            exact = exact_tokens(tokenizer, prompt, reply, s["history"])
-            if exact < len(reply):
-                counts["retokenized_replies"] += 1
-                prefix = tokenizer.decode(reply[:exact], skip_special_tokens=True)
-                message["trained_chars"] = len(prefix) if message["content"].startswith(prefix) else 0
-            elif not finished:
-                message["trained_chars"] = len(message["content"])
+            take_reply(s, prompt, reply, finished, tokenizer, counts)
         log.info(f"  reply {turn + 1}: {len(active)} conversations, "
                  f"{(counts['generated_tokens'] - before) / max(time.time() - t0, 1e-9):,.0f} generated tok/s")
     out = []
