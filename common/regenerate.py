@@ -259,12 +259,19 @@ def regenerate_part(generate, tokenizer, part: list, args, counts: Counter) -> l
                 prompts.append(first[0])
                 max_new.append(first[1])
 
+        shown = [t0]
+
         def follow(i: int, reply: list[int], finished: bool):
             s = owners[i]
             take_reply(s, prompts[i], reply, finished, tokenizer, counts)
             nxt = next_prompt(s, tokenizer, args, counts)
             if nxt is not None:
                 owners.append(s)
+            if time.time() - shown[0] >= 30:  # progress within a part: replies, tokens and rate so far
+                shown[0] = time.time()
+                log.info(f"  {counts['replies']:,} replies ({len(prompts) - counts['replies']:,} known still to "
+                         f"come), {counts['generated_tokens']:,} tokens, "
+                         f"{counts['generated_tokens'] / (shown[0] - t0):,.0f} generated tok/s")
             return nxt
         generate.stream(prompts, max_new, args.temperature, args.top_p, args.seed, follow)
         log.info(f"  {len(prompts)} replies, {counts['generated_tokens'] / max(time.time() - t0, 1e-9):,.0f} "
