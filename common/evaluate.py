@@ -129,13 +129,11 @@ class ChainSimulator:
     one bonus token."""
 
     def __init__(self, verifier_path: str, device: str, dtype: torch.dtype, trust_remote_code: bool):
-        from transformers import AutoModelForCausalLM
-
         from common.extract import decoder_layers
-        from common.verifier import load_verifier_weights
+        from common.verifier import load_verifier_lm
         self.device, self.dtype = torch.device(device), dtype
-        self.verifier = load_verifier_weights(AutoModelForCausalLM, verifier_path, dtype=dtype,
-                                              trust_remote_code=trust_remote_code).to(self.device).eval()
+        self.verifier = load_verifier_lm(verifier_path, dtype=dtype,
+                                        trust_remote_code=trust_remote_code).to(self.device).eval()
         self.layers = decoder_layers(self.verifier, self.verifier.config.get_text_config().num_hidden_layers)
         self.draft, self.hooks, self.aux = None, [], []
 

@@ -17,7 +17,7 @@ import torch
 from common.cli import UserError
 from common.log import Progress, log
 from common.manifest import atomic_write_json, atomic_write_text
-from common.verifier import load_verifier_weights
+from common.verifier import load_verifier_lm
 
 SETTINGS = "settings.json"
 LOOP_MIN_TOKENS = 32   # a tail repeating at least this long, with period <= LOOP_MAX_PERIOD, is a loop
@@ -90,10 +90,9 @@ class TransformersGenerator:
 
     def __init__(self, verifier: str, device: str, trust_remote_code: bool, batch_tokens: int, eos: int, pad: int,
                  batching: str = "padded", max_len: int = 0, dtype: torch.dtype | None = None):
-        from transformers import AutoModelForCausalLM
         self.device = torch.device(device)
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.model = load_verifier_weights(AutoModelForCausalLM, verifier, dtype=dtype,
+        self.model = load_verifier_lm(verifier, dtype=dtype,
                                            trust_remote_code=trust_remote_code)
         self.model.to(self.device).eval()
         self.batch_tokens, self.eos, self.pad, self.batching, self.max_len = batch_tokens, eos, pad, batching, max_len

@@ -102,6 +102,18 @@ def load_verifier_weights(model_class, path: str, **kwargs):
     return model
 
 
+def load_verifier_lm(path: str, **kwargs):
+    """The verifier with its head (logits), through load_verifier_weights: a causal LM, or for a multimodal
+    wrapper with no causal-LM class (Kimi-K2.5's Kimi_K25ForConditionalGeneration) its image-text-to-text
+    class, which answers text prompts the same way."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    config = AutoConfig.from_pretrained(path, trust_remote_code=kwargs.get("trust_remote_code", False))
+    remote = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    causal = remote or config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return load_verifier_weights(AutoModelForCausalLM if causal else AutoModelForImageTextToText, path, **kwargs)
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

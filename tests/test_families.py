@@ -1,0 +1,74 @@
+"""Every stage (01-05, transformers backends) on tiny random models of the big families, built here from
+configs with transformers' native classes and saved with the SmolLM2 tokenizer: Llama, Qwen3 dense with
+an embedding larger than its tokenizer, Qwen3-MoE, DeepSeek-V3 (MLA + MoE) and a Kimi-K2.5-shaped wrapper
+(Kimi_K25ForConditionalGeneration: `text_config` nested, weights saved as `language_model.*` beside a
+vision tower). vLLM's 05 runs the Llama family with tensor parallel 2 in test_evaluate.py; the others are
+left to the transformers backend here (MLA verifiers with an EAGLE-3 draft do not run on vLLM's CPU build,
+and every extra engine costs CI minutes)."""
+import json
+
+import pytest
+import torch
+
+from conftest import read_json, stage
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2, eos_token_id=2, pad_token_id=2, bos_token_id=1, max_position_embeddings=4096)
+MLA = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=6,
+           num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+           n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=32, q_lora_rank=48,
+           qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, eos_token_id=2, pad_token_id=2,
+           bos_token_id=1, max_position_embeddings=4096, tie_word_embeddings=False)
+FAMILIES = ["llama", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25"]
+
+
+def build(name: str, vocab: int):
+    import transformers as t
+    torch.manual_seed(0)
+    if name == "llama":
+        return t.LlamaForCausalLM(t.LlamaConfig(vocab_size=vocab, **TINY))
+    if name == "qwen3":  # an embedding 128 rows larger than the tokenizer, untied head
+        return t.Qwen3ForCausalLM(t.Qwen3Config(vocab_size=vocab + 128, head_dim=16, tie_word_embeddings=False, **TINY))
+    if name == "qwen3_moe":
+        return t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(vocab_size=vocab, head_dim=16, num_experts=4,
+                                                      num_experts_per_tok=2, moe_intermediate_size=32, **TINY))
+    if name == "deepseek_v3":
+        return t.DeepseekV3ForCausalLM(t.DeepseekV3Config(vocab_size=vocab + 128, **MLA))
+    return t.Kimi_K25ForConditionalGeneration(t.Kimi_K25Config(
+        text_config=dict(model_type="deepseek_v3", vocab_size=vocab + 128, **MLA),
+        vision_config=dict(num_attention_heads=2, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                           pos_emb_height=8, pos_emb_width=8),
+        projection_hidden_size=32, tie_word_embeddings=False))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_stage_runs_on_the_family(tmp_path, tokenizer, family):
+    verifier, data, out = tmp_path / family, tmp_path / "data", tmp_path / "out"
+    build(family, len(tokenizer)).save_pretrained(verifier)
+    tokenizer.save_pretrained(verifier)
+    if family == "kimi_k25":  # the hub's layout: the language model under language_model.*, a vision tower beside
+        from safetensors import safe_open
+        with safe_open(str(verifier / "model.safetensors"), "pt") as f:
+            names = list(f.keys())
+        assert any(n.startswith("language_model.") for n in names) and any("vision_tower." in n for n in names)
+    v = ["--verifier-path", verifier]
+    stage("01_prepare_dataset.py", *v, "--data-dir", data, "--num-samples", 24, "--max-seq-len", 256)
+    stage("02_build_vocab_mapping.py", *v, "--data-dir", data, "--draft-vocab-size", 1024)
+    stage("03_extract_hidden_states.py", *v, "--data-dir", data, "--max-tokens-per-batch", 2048)
+    stage("04_train.py", *v, "--data-dir", data, "--output-dir", out, "--max-steps", 4, "--max-seq-len", 512,
+          "--num-workers", 1, "--val-ratio", 0.2)
+    best = out / "checkpoints" / "best"
+    stage("05_evaluate.py", *v, "--data-dir", data, "--output-dir", out, "--draft-path", best, "--backend",
+          "transformers", "--num-prompts", 2, "--max-new-tokens", 16, "--max-turns", 1, "--max-prompt-len", 128)
+    report = read_json(out / "eval" / "eval.json")["drafts"]
+    assert len(report) == 1 and all(r["lossless"] is True and r["mean_acceptance_length"] >= 1 for r in report.values())
+    # the language model's sizes (text_config for the wrapper) reach the draft; aux ids match the extraction
+    with open(best / "config.json") as f:
+        draft = json.load(f)
+    config = json.loads((verifier / "config.json").read_text())
+    text = config.get("text_config", config)
+    assert draft["transformer_layer_config"]["hidden_size"] == text["hidden_size"] == 64
+    assert draft["transformer_layer_config"]["vocab_size"] == text["vocab_size"]
+    extracted = read_json(data / "hidden_states" / "rows_0-24" / "extract_config.json")
+    assert draft["eagle_aux_hidden_state_layer_ids"] == extracted["aux_layers"]
