@@ -71,7 +71,7 @@ def run(args):
             raise UserError(f"--device {args.device}: this machine has no CUDA GPU; use --device cpu")
     rows_range = parse_rows(args.rows)
     start = time.time()
-    verifier = resolve_verifier(args.verifier_path)
+    verifier = resolve_verifier(args.verifier_path, args)
     tokenizer = load_tokenizer(verifier, args.trust_remote_code)
     if tokenizer.chat_template is None:
         raise UserError(f"the tokenizer of {verifier} has no chat template; use a chat (instruct) model's folder")

@@ -30,7 +30,7 @@ def run(args):
     if args.draft_vocab_size <= 0:
         raise UserError(f"--draft-vocab-size {args.draft_vocab_size}: must be positive")
     start = time.time()
-    verifier = resolve_verifier(args.verifier_path)
+    verifier = resolve_verifier(args.verifier_path, args)
     tokenizer = load_tokenizer(verifier, args.trust_remote_code)
     target_vocab = load_text_config(verifier, args.trust_remote_code).vocab_size  # embedding rows, may exceed len(tokenizer)
     folders = find_stage_dirs(args.prepared_dirs or args.data_dir, "prepare", "prepared")

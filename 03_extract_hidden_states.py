@@ -172,7 +172,7 @@ def run(args):
     if args.writer_threads < 1 or args.tensor_parallel_size < 1:
         raise UserError(f"--writer-threads {args.writer_threads} / --tensor-parallel-size "
                         f"{args.tensor_parallel_size}: must be at least 1")
-    verifier = resolve_verifier(args.verifier_path)
+    verifier = resolve_verifier(args.verifier_path, args)
     tokenizer = load_tokenizer(verifier, args.trust_remote_code)
     tok_hash = tokenizer_fingerprint(tokenizer)
     folders = find_stage_dirs(os.path.join(args.data_dir, "prepared", f"rows_{args.rows}") if args.rows

@@ -115,7 +115,7 @@ def run(args):
             raise UserError(f"{args.output_dir} already holds checkpoints: pass --resume to continue, or a new --output-dir")
         if not args.resume and os.path.exists(metrics):
             os.remove(metrics)
-        verifier = resolve_verifier(args.verifier_path)
+        verifier = resolve_verifier(args.verifier_path, args)
         text_config = load_text_config(verifier, args.trust_remote_code)
         from common.train import train
         summary = train(args, verifier, text_config, verifier_fingerprint(text_config))

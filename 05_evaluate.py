@@ -70,7 +70,7 @@ def run(args):
         raise UserError("--temperature must be >= 0, --num-prompts and --max-new-tokens >= 1")
     if args.backend == "transformers" and args.temperature > 0:
         raise UserError("--backend transformers simulates greedy decoding only; use --temperature 0")
-    verifier = resolve_verifier(args.verifier_path)
+    verifier = resolve_verifier(args.verifier_path, args)
     text_config = load_text_config(verifier, args.trust_remote_code)
     drafts = {os.path.basename(os.path.realpath(p.rstrip("/"))) or p: p for p in [args.draft_path, *args.compare]}
     for path in drafts.values():

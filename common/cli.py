@@ -44,7 +44,8 @@ def add_verifier_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verifier-path", default="default",
                         help="verifier: a local Hugging Face folder, or 'default' for the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--trust-remote-code", action="store_true",
-                        help="allow the verifier's own modelling/tokenizer code (Kimi, DeepSeek)")
+                        help="allow the verifier's own modelling/tokenizer code, used only where transformers has no native "
+                             "class for its model type (transformers' own are preferred: Kimi-K2.5, DeepSeek-V3)")
 
 
 def parse_rows(text: str | None) -> tuple[int, int] | None:

@@ -67,11 +67,22 @@ def ensure_default_verifier() -> str:
         return target
 
 
-def resolve_verifier(path: str) -> str:
+def resolve_verifier(path: str, args=None) -> str:
+    """The verifier folder (the embedded default for 'default'). With `args`, --trust-remote-code is kept
+    only where transformers has no native class for the model type: a hub's own code can be older than
+    transformers' (Kimi-K2.5's tokenizer fails to import, its remote MoE names weights otherwise)."""
     if path in (None, "", "default"):
         return ensure_default_verifier()
     if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
         raise UserError(f"--verifier-path {path}: not a Hugging Face model folder (no config.json)")
+    if args is not None and args.trust_remote_code:
+        from transformers import CONFIG_MAPPING
+        with open(os.path.join(path, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+        if model_type in CONFIG_MAPPING:
+            log.info(f"--trust-remote-code: transformers has native classes for '{model_type}'; the verifier's own "
+                     "code is not used")
+            args.trust_remote_code = False
     return path
 
 

@@ -72,3 +72,22 @@ def test_every_stage_runs_on_the_family(tmp_path, tokenizer, family):
     assert draft["transformer_layer_config"]["vocab_size"] == text["vocab_size"]
     extracted = read_json(data / "hidden_states" / "rows_0-24" / "extract_config.json")
     assert draft["eagle_aux_hidden_state_layer_ids"] == extracted["aux_layers"]
+
+
+def test_remote_code_is_not_used_where_transformers_has_native_classes(tmp_path, tokenizer):
+    """--trust-remote-code on a verifier whose hub code is broken (as Kimi-K2.5's tokenizer code is for
+    transformers 5): native classes are used, so every stage runs; the log says so."""
+    verifier, data = tmp_path / "llama", tmp_path / "data"
+    build("llama", len(tokenizer)).save_pretrained(verifier)
+    tokenizer.save_pretrained(verifier)
+    config = json.loads((verifier / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_hub.HubConfig", "AutoModel": "modeling_hub.HubModel",
+                          "AutoModelForCausalLM": "modeling_hub.HubForCausalLM"}
+    (verifier / "config.json").write_text(json.dumps(config))
+    for name in ("configuration_hub.py", "modeling_hub.py"):
+        (verifier / name).write_text("raise ImportError('the hub code was imported')\n")
+    v = ["--verifier-path", verifier, "--trust-remote-code"]
+    log = stage("01_prepare_dataset.py", *v, "--data-dir", data, "--num-samples", 8, "--max-seq-len", 128).stdout
+    assert "native classes for 'llama'" in log
+    stage("02_build_vocab_mapping.py", *v, "--data-dir", data, "--draft-vocab-size", 256)
+    stage("03_extract_hidden_states.py", *v, "--data-dir", data, "--max-tokens-per-batch", 1024)
