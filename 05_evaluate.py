@@ -38,7 +38,9 @@ def build_parser():
                    help="vllm backend: GPUs the verifier (and its draft) are split over, as you serve it")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="vllm backend: share of each GPU's memory the engine may take (weights + KV cache)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="transformers backend device")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="transformers backend device: cuda, cpu, or auto (the verifier spread over all GPUs by "
+                        "device_map, for one that does not fit a single GPU)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt choice and of sampling")
     return p
 
@@ -77,7 +79,7 @@ def run(args):
         check_draft(path, text_config)
     tokenizer = load_tokenizer(verifier, args.trust_remote_code)
     prompts = ev.load_prompts(args.prompts, args.data_dir, args.num_prompts, args.max_turns, args.seed)
-    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" or not torch.cuda.is_available() else "bfloat16")
     args.max_model_len = args.max_prompt_len + args.max_new_tokens + args.num_speculative_tokens + 16
     log.info(f"{len(prompts)} conversations, {sum(map(len, prompts))} turns, {args.max_new_tokens} new tokens each; "
              f"backend {args.backend}")

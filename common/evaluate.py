@@ -131,9 +131,14 @@ class ChainSimulator:
     def __init__(self, verifier_path: str, device: str, dtype: torch.dtype, trust_remote_code: bool):
         from common.extract import decoder_layers
         from common.verifier import load_verifier_lm
-        self.device, self.dtype = torch.device(device), dtype
-        self.verifier = load_verifier_lm(verifier_path, dtype=dtype,
-                                        trust_remote_code=trust_remote_code).to(self.device).eval()
+        self.dtype = dtype
+        if device == "auto":  # spread over every visible GPU (device_map), as a verifier too big for one needs
+            self.verifier = load_verifier_lm(verifier_path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                             device_map="auto").eval()
+        else:
+            self.verifier = load_verifier_lm(verifier_path, dtype=dtype,
+                                             trust_remote_code=trust_remote_code).to(device).eval()
+        self.device = self.verifier.get_input_embeddings().weight.device  # inputs, the draft and its states
         self.layers = decoder_layers(self.verifier, self.verifier.config.get_text_config().num_hidden_layers)
         self.draft, self.hooks, self.aux = None, [], []
 
@@ -163,7 +168,7 @@ class ChainSimulator:
         """Verifier over new tokens: greedy next tokens [T] and concatenated aux states [T, n*H]."""
         x = torch.tensor([ids], device=self.device)
         logits = self.verifier(input_ids=x, past_key_values=cache, use_cache=True).logits[0]
-        return logits.argmax(-1), torch.cat(self.aux, dim=-1)[0]
+        return logits.argmax(-1).to(self.device), torch.cat([a.to(self.device) for a in self.aux], dim=-1)[0]
 
     def _draft_step(self, hidden, tokens, start: int, cache):
         """One draft layer pass over len(tokens) positions starting at `start`; returns (out hidden, draft ids)."""

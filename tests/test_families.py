@@ -60,7 +60,8 @@ def test_every_stage_runs_on_the_family(tmp_path, tokenizer, family):
           "--num-workers", 1, "--val-ratio", 0.2)
     best = out / "checkpoints" / "best"
     stage("05_evaluate.py", *v, "--data-dir", data, "--output-dir", out, "--draft-path", best, "--backend",
-          "transformers", "--num-prompts", 2, "--max-new-tokens", 16, "--max-turns", 1, "--max-prompt-len", 128)
+          "transformers", "--num-prompts", 2, "--max-new-tokens", 16, "--max-turns", 1, "--max-prompt-len", 128,
+          *(["--device", "auto"] if family == "kimi_k25" else []))  # device_map: the big verifier's way
     report = read_json(out / "eval" / "eval.json")["drafts"]
     assert len(report) == 1 and all(r["lossless"] is True and r["mean_acceptance_length"] >= 1 for r in report.values())
     # the language model's sizes (text_config for the wrapper) reach the draft; aux ids match the extraction
