@@ -233,6 +233,8 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
             keep_metrics_until(metrics_path, pos.step)
     elif args.resume:
         log.info(f"--resume: no checkpoint in {args.output_dir}; starting fresh")
+        if rank == 0:
+            keep_metrics_until(metrics_path, 0)  # what a run killed before its first checkpoint logged goes
     if pos.epoch >= args.epochs or (args.max_steps and pos.step >= args.max_steps):
         return f"already finished at step {pos.step} (epoch {pos.epoch}): nothing to train; checkpoints in {args.output_dir}/checkpoints"
 

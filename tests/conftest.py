@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import pytest
@@ -48,6 +49,21 @@ def kill(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     """Kill a stage run mid-way (counted for the suite's summary)."""
     proc.send_signal(sig)
     COVERED["kill"] += 1
+
+
+def kill_at(args: list, reached, tries: int = 3) -> None:
+    """Start a stage (argv) and SIGKILL it as soon as `reached()` holds; a run that ends first (a point
+    inside a short write can be missed) is started again. Fails if the point is never met."""
+    for _ in range(tries):
+        proc = subprocess.Popen([str(a) for a in args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        while proc.poll() is None:
+            if reached():
+                kill(proc)
+                proc.wait()
+                return
+            time.sleep(0.002)
+    raise AssertionError(f"{args[1]} ended {tries} times before its kill point")
 
 
 def assert_user_error(proc: subprocess.CompletedProcess, *words: str) -> None:

@@ -1,7 +1,6 @@
 """Stage 03 on the real verifier: layout, equality with an unbatched forward, resume, both backends."""
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -9,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.data import load_prepared
-from conftest import ROOT, ROWS, assert_user_error, kill, read_json, stage
+from conftest import ROOT, ROWS, assert_user_error, kill_at, read_json, stage
 
 
 def test_files_match_an_unbatched_forward(verifier, prepared_dir, hs_dir):
@@ -38,16 +37,14 @@ def test_files_match_an_unbatched_forward(verifier, prepared_dir, hs_dir):
     assert counts["bytes_per_token"] >= 4 * 576 * 2 and counts["rows"] == len(ds)
 
 
-def test_resume_after_kill_and_corrupt_file_redone(tmp_path, data_dir, hs_dir):
+@pytest.mark.parametrize("share", [0.0, 0.2, 0.9])  # after the first row file, early, near the end
+def test_resume_after_kill_and_corrupt_file_redone(tmp_path, data_dir, hs_dir, share):
     shutil.copytree(data_dir / "prepared", tmp_path / "prepared")
-    args = [sys.executable, os.path.join(ROOT, "03_extract_hidden_states.py"), "--data-dir", str(tmp_path),
-            "--max-tokens-per-batch", "2048"]  # the budget of the uninterrupted run (fixture)
+    args = [sys.executable, os.path.join(ROOT, "03_extract_hidden_states.py"), "--data-dir", tmp_path,
+            "--max-tokens-per-batch", 2048]  # the budget of the uninterrupted run (fixture)
     out = tmp_path / "hidden_states" / f"rows_0-{ROWS}"
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while proc.poll() is None and len([f for f in os.listdir(out)] if out.exists() else []) < 12:
-        pass
-    kill(proc)
-    proc.wait()
+    files = max(1, int(share * sum(f.endswith(".safetensors") for f in os.listdir(hs_dir))))
+    kill_at(args, lambda: out.exists() and sum(f.endswith(".safetensors") for f in os.listdir(out)) >= files)
     done = [f for f in os.listdir(out) if f.endswith(".safetensors")]
     assert 0 < len(done) < len(os.listdir(hs_dir)) and not (out / "manifest.json").exists()
     # plant a truncated file, as a crash in the middle of a write on another filesystem would leave

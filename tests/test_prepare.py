@@ -1,15 +1,13 @@
 """Stage 01 on the real SmolLM2 tokenizer and real ShareGPT conversations."""
 import json
 import os
-import subprocess
 import sys
-import time
 
 import pytest
 
 from common.data import load_records, normalize, prepare_rows, tokenize_with_mask
 from common.data import load_prepared
-from conftest import ROOT, ROWS, SEQ, assert_user_error, kill, read_json, stage
+from conftest import ROOT, ROWS, SEQ, assert_user_error, kill_at, read_json, stage
 
 
 def multi_turn_conversation():
@@ -82,19 +80,21 @@ def test_prepared_rows_and_statistics(prepared_dir):
     assert manifest["inputs"]["tokenizer_hash"] and manifest["versions"]["transformers"]
 
 
-def test_killed_run_rerun_gives_the_same_output(tmp_path, prepared_dir):
-    args = [sys.executable, os.path.join(ROOT, "01_prepare_dataset.py"), "--data-dir", str(tmp_path),
-            "--num-samples", str(ROWS), "--max-seq-len", str(SEQ)]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:  # kill it while it tokenizes
-        if "preparing rows" in line:
-            time.sleep(0.3)
-            kill(proc)
-            break
-    proc.wait()
+KILL_POINTS_01 = {  # while it imports, once it holds its shard's lock (reading, tokenizing), inside the write
+    "importing": lambda prepared: True,
+    "tokenizing": lambda prepared: (prepared / f".lock.rows_0-{ROWS}").exists(),
+    "writing": lambda prepared: prepared.exists() and any(p.name.startswith(".tmp.") for p in prepared.iterdir()),
+}
+
+
+@pytest.mark.parametrize("point", KILL_POINTS_01)
+def test_killed_run_rerun_gives_the_same_output(tmp_path, prepared_dir, point):
+    args = [sys.executable, os.path.join(ROOT, "01_prepare_dataset.py"), "--data-dir", tmp_path,
+            "--num-samples", ROWS, "--max-seq-len", SEQ]
+    kill_at(args, lambda: KILL_POINTS_01[point](tmp_path / "prepared"))
     out = tmp_path / "prepared" / f"rows_0-{ROWS}"
     assert not (out / "manifest.json").exists()  # nothing that looks complete
-    stage("01_prepare_dataset.py", "--data-dir", tmp_path, "--num-samples", ROWS, "--max-seq-len", SEQ)
+    stage(*args[1:])
     assert load_prepared(str(out)).to_dict() == load_prepared(str(prepared_dir)).to_dict()
     assert sorted(os.listdir(tmp_path / "prepared")) == [f"rows_0-{ROWS}"]  # no temporary leftovers
 

@@ -2,15 +2,13 @@
 import json
 import os
 import re
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, TRAIN_ARGS, assert_user_error, kill, read_json, stage
+from conftest import ROOT, TRAIN_ARGS, assert_user_error, kill_at, read_json, stage
 
 
 def records(out, split):
@@ -50,15 +48,19 @@ def test_checkpoint_is_speculators_eagle3_and_reloads(trained, data_dir, hs_dir)
         torch.testing.assert_close(model.state_dict()[name].float(), value.bfloat16().float())
 
 
-def test_killed_after_a_checkpoint_and_resumed_matches_uninterrupted(tmp_path, data_dir, trained):
+KILL_POINTS_04 = {  # before any checkpoint, inside a checkpoint's save, just after one
+    "first_steps": lambda out: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size > 0,
+    "saving": lambda out: (out / "checkpoints" / ".tmp.epoch_2").exists(),
+    "after_checkpoint": lambda out: (out / "checkpoints" / "epoch_2").exists(),
+}
+
+
+@pytest.mark.parametrize("point", KILL_POINTS_04)
+def test_killed_and_resumed_matches_uninterrupted(tmp_path, data_dir, trained, point):
     out = tmp_path / "run"
     args = [sys.executable, os.path.join(ROOT, "04_train.py"), "--data-dir", str(data_dir), "--output-dir", str(out),
             *map(str, TRAIN_ARGS)]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while proc.poll() is None and not (out / "checkpoints" / "epoch_2").exists():
-        time.sleep(0.2)
-    kill(proc)
-    proc.wait()
+    kill_at(args, lambda: KILL_POINTS_04[point](out))
     assert not (out / "checkpoints" / "epoch_4").exists()
     stage("04_train.py", *args[2:], "--resume")
     final = torch.load(out / "checkpoints" / "epoch_4" / "training_state.pt", weights_only=False)
@@ -66,9 +68,12 @@ def test_killed_after_a_checkpoint_and_resumed_matches_uninterrupted(tmp_path, d
     assert final["step"] == reference["step"]
     for name in reference["model"]:
         torch.testing.assert_close(final["model"][name], reference["model"][name], rtol=1e-4, atol=1e-5)
-    # resuming with another TTT depth is refused
-    proc = stage("04_train.py", *args[2:], "--resume", "--ttt-steps", 2, check=False)
-    assert_user_error(proc, "new --output-dir")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if r["split"] == "train"]
+    assert len(steps) == len(set(steps))  # each step logged once, the replayed ones included
+    if point == "after_checkpoint":  # resuming with another TTT depth is refused
+        proc = stage("04_train.py", *args[2:], "--resume", "--ttt-steps", 2, check=False)
+        assert_user_error(proc, "new --output-dir")
 
 
 def test_packed_batches_match_speculators_collate(data_dir, hs_dir):
