@@ -61,6 +61,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path, trained, data_dir, other_veri
         (["--draft-path", best, "--verifier-path", other_verifier], "hidden size"),
         (["--draft-path", best, "--prompts", empty], "no prompts"),
         (["--draft-path", best, "--num-speculative-tokens", 0], "--num-speculative-tokens"),
+        (["--draft-path", best, "--tensor-parallel-size", 0], "--tensor-parallel-size"),
+        (["--draft-path", best, "--gpu-memory-utilization", 1.5], "--gpu-memory-utilization"),
         (["--draft-path", tmp_path], "not a draft checkpoint"),
     ]
     for args, words in cases:
