@@ -207,7 +207,10 @@ class TransformersBackend:
 
 
 def is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+    """Out of memory on the GPU (CUDA's error) or on the host (the CPU allocator's, or Python's)."""
+    text = str(e).lower()
+    return (isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text
+            or "can't allocate memory" in text)
 
 
 def extract_transformers(backend: TransformersBackend, batches, rows: dict, todo: set, out: str, writer: RowWriter,
@@ -226,7 +229,7 @@ def extract_transformers(backend: TransformersBackend, batches, rows: dict, todo
                 raise
             if len(batch) == 1:
                 raise UserError(f"out of memory on a single row of {len(rows[batch[0]]['input_ids'])} tokens; "
-                                "lower --max-seq-len in stage 01 or use more GPUs (--device auto)")
+                                "lower --max-seq-len in stage 01, or use more GPUs (--device auto) or a bigger host")
             log.warning(f"out of memory on a batch of {len(batch)} rows; splitting it in two and retrying")
             backend.captured = [None] * len(backend.captured)
             if on_gpu:

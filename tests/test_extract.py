@@ -127,3 +127,16 @@ def test_default_aux_layers_are_distinct_for_small_verifiers():
     for n in range(4, 9):
         ids = default_aux_layers(n)
         assert len(ids) == 3 and ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < n, (n, ids)
+
+
+def test_host_out_of_memory_is_split_like_gpu_out_of_memory():
+    """The CPU allocator's failure (what a host without memory for a batch raises) is taken for out of
+    memory, so 03 splits the batch as it does for CUDA's; other errors are not."""
+    from common.extract import is_oom
+    try:
+        torch.empty(2 ** 50)  # 4 PB: refused by the real allocator
+    except RuntimeError as e:
+        assert is_oom(e)
+    else:
+        raise AssertionError("the allocator gave 4 PB")
+    assert is_oom(MemoryError()) and not is_oom(RuntimeError("shape mismatch"))
