@@ -250,13 +250,17 @@ def regenerate_part(generate, tokenizer, part: list, args, counts: Counter) -> l
         else:
             states.append({"id": conv_id, "groups": script(messages), "history": [], "open": True, "turn": 0})
     t0 = time.time()
-    if getattr(generate, "streams", False):
+    def next_prompts():  # the next reply of every conversation still open: (owners, prompts, rooms)
         owners, prompts, max_new = [], [], []
         for s in states:
-            if "dropped" not in s and (first := next_prompt(s, tokenizer, args, counts)) is not None:
+            if "dropped" not in s and (nxt := next_prompt(s, tokenizer, args, counts)) is not None:
                 owners.append(s)
-                prompts.append(first[0])
-                max_new.append(first[1])
+                prompts.append(nxt[0])
+                max_new.append(nxt[1])
+        return owners, prompts, max_new
+
+    if getattr(generate, "streams", False):
+        owners, prompts, max_new = next_prompts()
 
         shown = [t0]
 
@@ -279,12 +283,7 @@ def regenerate_part(generate, tokenizer, part: list, args, counts: Counter) -> l
     else:
         turns = max((len(s.get("groups", [])) for s in states), default=0)
     for turn in range(turns):
-        active, prompts, max_new = [], [], []
-        for s in states:
-            if "dropped" not in s and (nxt := next_prompt(s, tokenizer, args, counts)) is not None:
-                active.append(s)
-                prompts.append(nxt[0])
-                max_new.append(nxt[1])
+        active, prompts, max_new = next_prompts()
         if not active:
             break
         seeds = [args.seed * 1_000_003 + s["id"] * 101 + turn for s in active]
