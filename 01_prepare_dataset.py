@@ -42,7 +42,8 @@ def build_parser():
     g.add_argument("--regen-batching", choices=["auto", "padded", "continuous", "slots"], default="auto",
                    help="transformers: padded generate() batches; continuous batching (generate_batch: paged KV "
                         "cache; its scheduler is slow); or slots (a fixed KV cache of rows refilled as replies end, "
-                        "Llama-style verifiers, the fast one on a GPU); auto: slots on CUDA, padded on the CPU")
+                        "Llama-style verifiers, the fast one on a GPU); auto: slots on CUDA for the verifiers it "
+                        "supports, else padded")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs the verifier is split over")
     g.add_argument("--device", default="auto", help="transformers: device of the verifier (auto: cuda if there is one)")
     return p

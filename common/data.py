@@ -162,7 +162,10 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
             if start < 0:
                 return None
             # the end-of-turn: what follows the reply when it is the last turn rendered
-            tail = through[through.rfind(m["content"].strip()) + len(m["content"].strip()):].rstrip()
+            last = through.rfind(m["content"].strip())
+            if last < 0:
+                return None
+            tail = through[last + len(m["content"].strip()):].rstrip()
             end = content_at + len(m["content"].strip())
             if not text.startswith(tail, end):
                 return None

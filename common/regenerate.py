@@ -92,13 +92,14 @@ class TransformersGenerator:
                  batching: str = "padded", max_len: int = 0, dtype: torch.dtype | None = None):
         self.device = torch.device(device)
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.model = load_verifier_lm(verifier, dtype=dtype,
-                                           trust_remote_code=trust_remote_code)
+        self.model = load_verifier_lm(verifier, dtype=dtype, trust_remote_code=trust_remote_code)
         self.model.to(self.device).eval()
-        self.batch_tokens, self.eos, self.pad, self.batching, self.max_len = batch_tokens, eos, pad, batching, max_len
-        if batching == "slots":
-            from common.slot_decode import check_supported
+        from common.slot_decode import check_supported, supported
+        if batching == "auto":  # slots on a GPU where the verifier's attention allows them
+            batching = "slots" if self.device.type == "cuda" and supported(self.model) else "padded"
+        elif batching == "slots":
             check_supported(self.model)
+        self.batch_tokens, self.eos, self.pad, self.batching, self.max_len = batch_tokens, eos, pad, batching, max_len
 
     def __call__(self, prompts, max_new, temperature, top_p, seeds):
         run = {"continuous": self.continuous, "slots": self.slots}.get(self.batching, self.padded)
@@ -250,6 +251,7 @@ def regenerate_part(generate, tokenizer, part: list, args, counts: Counter) -> l
         else:
             states.append({"id": conv_id, "groups": script(messages), "history": [], "open": True, "turn": 0})
     t0 = time.time()
+
     def next_prompts():  # the next reply of every conversation still open: (owners, prompts, rooms)
         owners, prompts, max_new = [], [], []
         for s in states:
@@ -332,13 +334,10 @@ def regenerate(records: list, tokenizer, verifier: str, verifier_hash: str, fold
             generate = VllmGenerator(verifier, args.tensor_parallel_size, args.max_seq_len + 8,
                                      args.trust_remote_code, eos)
         else:
-            batching = args.regen_batching
-            if batching == "auto":
-                batching = "slots" if args.device.startswith("cuda") else "padded"
             generate = TransformersGenerator(verifier, args.device, args.trust_remote_code, args.regen_batch_tokens,
                                              eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
-                                             batching, args.max_seq_len)
-            log.info(f"regeneration: transformers on {args.device}, {batching} batching")
+                                             args.regen_batching, args.max_seq_len)
+            log.info(f"regeneration: transformers on {args.device}, {generate.batching} batching")
     start, now = time.time(), Counter()  # `now`: what this run generated, for its rate
     progress = Progress(sum(len(parts[k]) for k in todo), "conversations", desc="regenerated",
                         extra=lambda: f"{now['generated_tokens'] / max(time.time() - start, 1e-9):,.0f} generated tok/s")

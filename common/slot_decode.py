@@ -18,17 +18,20 @@ from common.cli import UserError
 from common.log import log
 
 
-def check_supported(model):
-    """A one-line error unless the model is a plain decoder this module knows how to step."""
+def supported(model) -> bool:
+    """Whether the model is a plain decoder (Llama, Qwen, Mistral-style attention, no sliding window) this
+    module knows how to step; MLA (DeepSeek, Kimi) is not."""
     inner = getattr(model, "model", None)
-    needed = ["embed_tokens", "layers", "norm", "rotary_emb"]
     layer = inner.layers[0] if inner is not None and hasattr(inner, "layers") else None
-    parts = ["self_attn", "input_layernorm", "post_attention_layernorm", "mlp"]
-    ok = (inner is not None and all(hasattr(inner, n) for n in needed) and hasattr(model, "lm_head")
-          and all(hasattr(layer, n) for n in parts)
-          and all(hasattr(layer.self_attn, n) for n in ["q_proj", "k_proj", "v_proj", "o_proj"])
-          and not getattr(layer.self_attn, "sliding_window", None))
-    if not ok:
+    return (inner is not None and all(hasattr(inner, n) for n in ["embed_tokens", "layers", "norm", "rotary_emb"])
+            and hasattr(model, "lm_head")
+            and all(hasattr(layer, n) for n in ["self_attn", "input_layernorm", "post_attention_layernorm", "mlp"])
+            and all(hasattr(layer.self_attn, n) for n in ["q_proj", "k_proj", "v_proj", "o_proj"])
+            and not getattr(layer.self_attn, "sliding_window", None))
+
+
+def check_supported(model) -> None:
+    if not supported(model):
         raise UserError(f"--regen-batching slots: {type(model).__name__} is not a Llama-style decoder without "
                         "sliding windows; use --regen-batching padded, or --regenerate vllm")
 

@@ -92,3 +92,10 @@ def test_remote_code_is_not_used_where_transformers_has_native_classes(tmp_path,
     assert "native classes for 'llama'" in log
     stage("02_build_vocab_mapping.py", *v, "--data-dir", data, "--draft-vocab-size", 256)
     stage("03_extract_hidden_states.py", *v, "--data-dir", data, "--max-tokens-per-batch", 1024)
+
+
+def test_slot_decoding_is_offered_to_the_families_it_can_step(tokenizer):
+    """01's --regen-batching auto takes slots on a GPU only for attention it steps (not MLA)."""
+    from common.slot_decode import supported
+    assert {f: supported(build(f, len(tokenizer))) for f in FAMILIES} == {
+        "llama": True, "qwen3": True, "qwen3_moe": True, "deepseek_v3": False, "kimi_k25": False}
