@@ -90,11 +90,11 @@ def run_ours(work: str, args, variant: str) -> dict:
            "--lr", "1e-4"] + flags
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
     log = proc.stdout
     with open(out + ".txt", "w") as f:  # the run's own log, kept for reading
         f.write(log + proc.stderr)
+    if proc.returncode:  # out of memory at a long --seq-len is a result, not the end of the bench
+        return {"error": (proc.stdout + proc.stderr).strip().splitlines()[-1][-300:]}
 
     def since_launch(pattern):
         hit = re.search(r"^(\S+ \S+) .*" + pattern, log, re.M)
@@ -181,7 +181,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-3.1-8b")
     p.add_argument("--rows", type=int, default=64)
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--seq-len", type=int, nargs="+", default=[2048],
+                   help="tokens per packed sequence; several give the long-context curve (inputs of each in WORK/lenN)")
+    p.add_argument("--clean", action="store_true", help="delete each length's inputs after its runs (disk)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--draft-vocab", type=int, default=32000)
     p.add_argument("--work", default="/tmp/bench_train")
@@ -192,7 +194,28 @@ def main():
     p.add_argument("--speculators-worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.speculators_worker:
-        return speculators_worker(args.work, args.steps, args.seq_len, args.speculators_worker)
+        return speculators_worker(args.work, args.steps, args.seq_len[0], args.speculators_worker)
+    curve = {}
+    for seq_len in args.seq_len:
+        one = argparse.Namespace(**{**vars(args), "seq_len": seq_len,
+                                    "work": args.work if len(args.seq_len) == 1 else f"{args.work}/len{seq_len}"})
+        curve[seq_len] = bench_one(one)
+        if args.clean:
+            subprocess.run(["rm", "-rf", one.work])
+    if len(curve) > 1:  # the long-context curve: every run against the first at each length
+        print(f"\n{args.shape} draft, 3 TTT steps: tokens/s and peak GPU memory against the packed length")
+        print(f"{'tokens':>7s} " + " ".join(f"{n:>34s}" for n in args.only))
+        for seq_len, results in curve.items():
+            cells = [("failed (" + r["error"][:24] + ")") if "error" in r else
+                     f"{r['tokens_per_s']:,.0f} tok/s {r['peak_gpu_GB'] or 0:.1f} GB" for r in results.values()]
+            print(f"{seq_len:7d} " + " ".join(f"{c:>34s}" for c in cells))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": args.shape, "steps": args.steps, "results": curve}, f, indent=2)
+
+
+def bench_one(args) -> dict:
+    """Every run of --only at one --seq-len, side by side; prints its table and returns the results."""
     make_inputs(args.work, args.shape, args.rows, args.seq_len, args.draft_vocab)
     results = {}
     for name in args.only:
@@ -208,6 +231,8 @@ def main():
         else:
             results[name] = run_ours(args.work, args, name)
         print(name, results[name], flush=True)
+    if not any("error" not in r for r in results.values()):
+        return results
     flops, needed = draft_flops_per_token(args.work, args.draft_vocab)
     base = results.get("speculators", {}).get("tokens_per_s")
     print(f"\n{args.shape} draft, {args.seq_len}-token packed sequences, 3 TTT steps, {args.steps} steps")
@@ -217,15 +242,15 @@ def main():
           f"{'compiled':>9s} {'from step':>9s}")
     seconds = lambda v: "-" if v is None else f"{v:.1f}s"  # noqa: E731
     for name, r in results.items():
+        if "error" in r:
+            print(f"{name:22s} failed: {r['error']}")
+            continue
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         r["mfu"], r["mfu_needed"] = r["tokens_per_s"] * flops / PEAK_BF16, r["tokens_per_s"] * needed / PEAK_BF16
         print(f"{name:22s} {r['tokens_per_s']:10,.0f} {ratio:>8s} {r['mfu']:6.1%} {r['mfu_needed']:7.1%} "
               f"{r['peak_gpu_GB'] or 0:8.1f} {seconds(r.get('launch_to_first_step_s')):>10s} "
               f"{seconds(r.get('launch_to_compiled_s')):>9s} {r.get('compiled_from_step') or '-':>9}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"shape": args.shape, "seq_len": args.seq_len, "steps": args.steps, "results": results}, f, indent=2)
-
+    return results
 
 if __name__ == "__main__":
     main()

@@ -146,13 +146,17 @@ def test_compiled_forward_trains_what_eager_trains(tmp_path, data_dir):
     assert [r["loss"] for r in runs["beside"]] == pytest.approx([r["loss"] for r in runs["eager"]], rel=1e-3)
 
 
-def test_muon_trains_with_its_two_optimizers(tmp_path, data_dir):
+def test_muon_trains_a_two_layer_draft_with_its_two_optimizers(tmp_path, data_dir):
+    from common.draft import load_draft
     out = tmp_path / "muon"
     stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--optimizer", "muon", "--max-steps", 8,
-          "--lr", 2e-3, "--warmup-steps", 2, "--log-every", 2, "--num-workers", 1, "--max-seq-len", 1024)
+          "--lr", 2e-3, "--warmup-steps", 2, "--log-every", 2, "--num-workers", 1, "--max-seq-len", 1024,
+          "--draft-layers", 2)
     state = torch.load(out / "checkpoints" / "latest" / "training_state.pt", weights_only=False)
-    assert len(state["optimizer"]) == 2  # Muon over fc and the layer's matrices, AdamW over the norms
-    assert len(state["optimizer"][0]["param_groups"][0]["params"]) >= 8
+    assert len(state["optimizer"]) == 2  # Muon over fc and the layers' matrices, AdamW over the norms
+    assert len(state["optimizer"][0]["param_groups"][0]["params"]) >= 15  # fc + 7 matrices a layer
+    assert read_json(out / "checkpoints" / "latest" / "config.json")["transformer_layer_config"]["num_hidden_layers"] == 2
+    assert len(load_draft(str(out / "checkpoints" / "latest")).layers) == 2
     train = records(out, "train")
     assert train[-1]["loss"] < train[0]["loss"]
 
