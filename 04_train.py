@@ -50,7 +50,9 @@ def build_parser():
     p.add_argument("--loss-implementation", choices=["eager", "fused"], default="eager",
                    help="on a GPU: fused (Triton) or eager; the CPU always uses eager")
     p.add_argument("--attn-impl", choices=["auto", "sdpa", "eager", "simple_flex_attention"], default="auto",
-                   help="draft attention (auto = sdpa: faster than flex attention, both compiled, on an H200, see docs/benchmarks.md)")
+                   help="draft attention. auto: sdpa (a dense TTT mask; faster at short packs) up to 16K-token packs, "
+                        "from 16K with --compile on a GPU flex attention (a block mask: at 32K 1.83x the tokens/s in "
+                        "42%% of the memory of eager sdpa, docs/benchmarks.md); flex attention without --compile is slow")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the draft forward, on a thread beside the first (eager) steps; the loop "
                         "switches to it when it is built, and logs how long that took (H200, 8B-shaped draft: "

@@ -171,6 +171,25 @@ class PackedBatches:
                     self.free.put(item[0])
 
 
+def split_pack(batch: dict, pieces: int, multiple: int = 1) -> list[tuple[dict, float]]:
+    """A packed batch as up to `pieces` shorter ones, cut at conversation boundaries, each padded as packs
+    are to a length that is a multiple of `multiple` (flex attention's block size), each with its share
+    of the loss-masked tokens (the weight of its loss): how a step that ran out of memory is done again
+    in parts. A pack of one conversation cannot be cut (one part)."""
+    n, doc = batch["tokens"], batch["document_ids"][0, :batch["tokens"]]
+    starts = [0] + (torch.nonzero(doc[1:] != doc[:-1]).flatten() + 1).tolist() + [n]
+    cuts = sorted({min(starts, key=lambda b: abs(b - k * n / pieces)) for k in range(1, pieces)} - {0, n})
+    total = float(batch["loss_mask"][0, :n].sum())
+    parts = []
+    for a, b in zip([0] + cuts, cuts + [n]):
+        pad = -(b - a) % multiple
+        part = {k: torch.nn.functional.pad(v[:, a:b].movedim(1, -1), (0, pad), value=-1 if k == "document_ids" else 0
+                                           ).movedim(-1, 1) if torch.is_tensor(v) else v for k, v in batch.items()}
+        part["tokens"] = b - a
+        parts.append((part, float(part["loss_mask"].sum()) / total if total else (b - a) / n))
+    return parts
+
+
 def collect_rows(data_dirs, vocab_dir: str, verifier_hash: str, hidden_size: int):
     """Files and lengths of every extracted row, after checking the upstream manifests agree."""
     folders = find_stage_dirs(data_dirs, "hidden_states", "hidden_states")

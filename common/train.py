@@ -15,7 +15,8 @@ from common.checkpoint import rng_state, save_checkpoint, set_rng_state
 from common.cli import Stopped, UserError
 from common.compiler import Compiler
 from common.draft import build_draft
-from common.loader import PackedBatches, collect_rows, epoch_batches, split_rows
+from common.extract import is_oom
+from common.loader import PackedBatches, collect_rows, epoch_batches, split_pack, split_rows
 from common.log import LAUNCH, fmt_duration, log, memory_summary
 from common.manifest import atomic_write_text, sha256_json
 
@@ -142,6 +143,33 @@ class Position:
     tokens: int = 0         # trained tokens, up to the last logged step
 
 
+FLEX, FLEX_BLOCK = "simple_flex_attention", 128  # flex attention's block mask needs lengths in whole blocks
+FLEX_FROM_TOKENS = 16384  # packs this long train with flex attention's block mask under --attn-impl auto
+
+
+def draft_attention(args, on_gpu: bool) -> str:
+    """--attn-impl auto: sdpa with speculators' dense TTT mask for short packs (compiled, it beat flex attention at
+    2K tokens), flex attention's block mask from FLEX_FROM_TOKENS on, compiled: at 32K-token packs of an 8B-shaped
+    draft 1.83x the tokens/s of eager sdpa in 42% of its memory (docs/benchmarks.md). Flex attention runs only
+    compiled: eager, it falls back to a path that materializes every score."""
+    long_packs = args.max_seq_len >= FLEX_FROM_TOKENS and args.max_seq_len % FLEX_BLOCK == 0
+    if args.attn_impl == FLEX and not on_gpu:
+        raise UserError(f"--attn-impl {FLEX} trains only on a GPU (torch has no flex attention backward "
+                        "on the CPU); use --attn-impl auto")
+    if args.attn_impl == FLEX and args.max_seq_len % FLEX_BLOCK:
+        raise UserError(f"--attn-impl {FLEX} needs --max-seq-len in whole blocks of {FLEX_BLOCK} tokens "
+                        f"(not {args.max_seq_len}): use {args.max_seq_len // FLEX_BLOCK * FLEX_BLOCK or FLEX_BLOCK}")
+    if args.attn_impl != "auto":
+        if args.attn_impl == FLEX and not args.compile:
+            log.warning("flex attention without --compile runs its unfused path, which holds every score: "
+                        "slow, and out of memory on long packs")
+        return args.attn_impl
+    if long_packs and not (args.compile and on_gpu):
+        log.info(f"{args.max_seq_len}-token packs with sdpa's dense TTT mask: on a GPU, --compile trains them with "
+                 "flex attention's block mask instead (less memory, faster)")
+    return FLEX if long_packs and args.compile and on_gpu else "sdpa"
+
+
 def forward(model, batch: dict, args, loss_config, device, noise: bool):
     """The draft's TTT forward on one packed batch: (loss, speculators' metrics)."""
     hs = batch["hidden_states"]
@@ -154,6 +182,35 @@ def forward(model, batch: dict, args, loss_config, device, noise: bool):
             verifier_last_hidden_states=batch["verifier_last_hidden_states"], ttt_steps=args.ttt_steps,
             ttt_step_loss_decay=args.ttt_loss_decay, loss_config=loss_config)
     return loss, metrics
+
+
+def backward_fitting(model, batch: dict, pieces: int, args, loss_config, device, params) -> tuple[dict, int]:
+    """Forward and backward of one packed batch, in `pieces` parts; on out-of-memory, again in twice as many
+    parts (cut at conversation boundaries, the same tokens and loss weights), until it fits. Returns the
+    step's metrics and the number of parts that fit, which later batches start from."""
+    while True:
+        try:
+            metrics = {}
+            for part, weight in split_pack(batch, pieces, FLEX_BLOCK if args.attn == FLEX else 1) if pieces > 1 else [(batch, 1.0)]:
+                loss, part_metrics = forward(model, part, args, loss_config, device, noise=True)
+                (loss * weight / args.grad_accum).backward()
+                add_metrics(metrics, part_metrics)
+            return metrics, pieces
+        except Exception as e:  # noqa: BLE001 - only out-of-memory is retried
+            if not is_oom(e):
+                raise
+            error = str(e).strip().splitlines()[0][:160]
+        # out of the except block: its traceback no longer holds the failed step's tensors
+        for p in params:  # this micro-batch's partial gradients go (with --grad-accum, the step's earlier ones too)
+            p.grad = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if len(split_pack(batch, pieces * 2)) <= len(split_pack(batch, pieces)):
+            raise UserError(f"out of memory on a packed sequence that cannot be cut further (one conversation of "
+                            f"{batch['tokens']} tokens): lower --max-seq-len or free memory ({error})")
+        pieces *= 2
+        log.warning(f"out of memory on a {batch['tokens']}-token pack ({error}); training each pack in {pieces} parts "
+                    "from here on (cut at conversation boundaries, same tokens per step)")
 
 
 @torch.no_grad()
@@ -188,7 +245,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     hidden = text_config.hidden_size
     files, lengths, aux, folders = collect_rows(args.data_dir, args.vocab_mapping_dir, verifier_hash, hidden)
     train_rows, val_rows = split_rows(len(files), args.val_ratio, args.seed)
-    attn = "sdpa" if args.attn_impl == "auto" else args.attn_impl  # sdpa measured faster than flex (docs/benchmarks.md)
+    attn = args.attn = draft_attention(args, on_gpu)
     if args.compile and on_gpu:  # inductor's compile workers start while the draft is built (~3 s sooner to the first step)
         from torch._inductor.async_compile import maybe_warm_pool
         maybe_warm_pool()
@@ -276,6 +333,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     model.train()
     t_loop = t_last = time.time()
     tokens_since, sums, val, reached_max_steps, first_step_logged = 0, {}, None, False, False
+    pieces = 1  # parts each packed batch is trained in: more after an out-of-memory step
     if rank == 0 and compiler:
         log.info("torch.compile starts on the first batch" + (
             "; the first step waits for it" if compiler.wait else ", beside eager steps until it is ready"))
@@ -287,8 +345,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
             if compiler:  # swaps the compiled forward into the model when it is ready
                 compiler.start(batch, pos.step)
                 compiler.finish(pos.step, block=False)
-            loss, metrics = forward(model, batch, args, loss_config, device, noise=True)
-            (loss / args.grad_accum).backward()
+            metrics, pieces = backward_fitting(model, batch, pieces, args, loss_config, device, params)
             add_metrics(sums, metrics)
             tokens_since += batch["tokens"] * world
             if (k + 1) % args.grad_accum and k + 1 < len(micro):

@@ -28,10 +28,16 @@ HANG_GUARD_S = 3600
 
 
 def stage(script: str, *args, check: bool = True, timeout: int = HANG_GUARD_S,
-          env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a numbered script (with `env` added to the environment); return the completed process."""
+          env: dict | None = None, memory_limit: int | None = None) -> subprocess.CompletedProcess:
+    """Run a numbered script (with `env` added to the environment, and with `memory_limit` bytes of
+    heap and anonymous memory at most: RLIMIT_DATA, a real limit the allocator meets); return the
+    completed process."""
+    def limit():
+        import resource
+        resource.setrlimit(resource.RLIMIT_DATA, (memory_limit, memory_limit))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+                          preexec_fn=limit if memory_limit else None)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc

@@ -140,3 +140,26 @@ def test_host_out_of_memory_is_split_like_gpu_out_of_memory():
     else:
         raise AssertionError("the allocator gave 4 PB")
     assert is_oom(MemoryError()) and not is_oom(RuntimeError("shape mismatch"))
+
+
+@pytest.mark.slow
+def test_extraction_under_a_memory_limit_splits_batches_and_matches(tmp_path, data_dir, hs_dir):
+    """03 under a host memory limit too small for its 16K-token batches (RLIMIT_DATA, what the allocator
+    meets on a full host): the batch is split and retried, the log says so, and the files hold the
+    states of the unconstrained run. The limit climbs a ladder (what a process needs differs between
+    machines); the first limit that extracts must be one where batches were split."""
+    shutil.copytree(data_dir / "prepared", tmp_path / "prepared")
+    for gb in [1 + 0.25 * k for k in range(21)]:
+        shutil.rmtree(tmp_path / "hidden_states", ignore_errors=True)
+        proc = stage("03_extract_hidden_states.py", "--data-dir", tmp_path, "--max-tokens-per-batch", 16384,
+                     check=False, memory_limit=int(gb * 2**30))
+        if proc.returncode == 0:
+            break
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "out of memory on a batch of" in proc.stdout and "splitting it in two" in proc.stdout, gb
+    out = tmp_path / "hidden_states" / f"rows_0-{ROWS}"
+    for name in os.listdir(hs_dir):
+        if name.endswith(".safetensors"):  # batched with other rows and padding: equal within fp32 rounding
+            a, b = load_file(out / name), load_file(hs_dir / name)
+            assert torch.equal(a["token_ids"], b["token_ids"]), name
+            torch.testing.assert_close(a["hidden_states"], b["hidden_states"], rtol=1e-4, atol=1e-4, msg=name)

@@ -116,6 +116,36 @@ def test_packed_batches_match_speculators_collate(data_dir, hs_dir):
     assert [float(x) for x in got] == [float(x) for x in want]
 
 
+def test_flex_block_mask_gives_the_dense_mask_forward(data_dir, hs_dir, verifier):
+    """Flex attention's block mask (what --attn-impl auto takes for long packs on a GPU) computes what
+    sdpa's dense TTT mask computes, on a pack of several conversations, at every TTT step. Forward only:
+    torch has no flex attention backward on the CPU (04 says so in one line)."""
+    from types import SimpleNamespace
+
+    from speculators.losses import resolve_loss_config
+
+    from common.draft import build_draft
+    from common.loader import PackedBatches, collect_rows
+    from common.train import forward
+    manifest = read_json(hs_dir / "manifest.json")
+    files, lengths, aux, _ = collect_rows([str(data_dir)], str(data_dir / "vocab_mapping"),
+                                          manifest["inputs"]["verifier_hash"], manifest["hidden_size"])
+    batch = next(iter(PackedBatches(files, lengths, len(aux), manifest["hidden_size"], 1024, torch.device("cpu"),
+                                    torch.float32, threads=1)([[0, 1, 2, 3]])))
+    assert len(set(batch["document_ids"].flatten().tolist()) - {-1}) >= 3 and batch["tokens"] < 1024  # padded too
+    args = SimpleNamespace(noise_std=0, ttt_steps=3, ttt_loss_decay=1.0)
+    results = {}
+    for attn in ("sdpa", "simple_flex_attention"):
+        torch.manual_seed(0)
+        model = build_draft(str(verifier), aux, str(data_dir / "vocab_mapping"), 3, attn)
+        with torch.no_grad():
+            results[attn] = forward(model, batch, args, resolve_loss_config("kl_div", "eager"), torch.device("cpu"), False)
+    (dense_loss, dense), (flex_loss, flex) = results["sdpa"], results["simple_flex_attention"]
+    torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-5, atol=1e-5)
+    for key in dense:
+        torch.testing.assert_close(flex[key], dense[key], rtol=1e-5, atol=1e-5, msg=key)
+
+
 @pytest.mark.slow
 def test_compiled_forward_trains_what_eager_trains(tmp_path, data_dir):
     """--compile --compile-wait (torch.compile of speculators' forward with our sync-free accuracy counts,
@@ -144,6 +174,54 @@ def test_compiled_forward_trains_what_eager_trains(tmp_path, data_dir):
         assert abs(eager["loss"] - compiled["loss"]) < 1e-3 * eager["loss"]
         assert all(abs(a - b) < 1e-3 for a, b in zip(eager["acc_pos"], compiled["acc_pos"]))
     assert [r["loss"] for r in runs["beside"]] == pytest.approx([r["loss"] for r in runs["eager"]], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_training_under_a_memory_limit_cuts_packs_and_goes_on(tmp_path, data_dir):
+    """04 under a host memory limit too small for its 8K-token packs: the step that runs out of memory is
+    done again in parts cut at conversation boundaries, the log says so, and training goes on. The limit
+    climbs a ladder (what a process needs differs between machines): the first limit that trains must
+    be one where the packs were cut, since one that fits whole packs is above one that fits parts."""
+    for gb in (2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 8.0):
+        out = tmp_path / f"limit_{gb}"
+        proc = stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--max-steps", 2, "--max-seq-len", 8192,
+                     "--log-every", 1, "--val-ratio", 0, "--num-workers", 1, check=False, memory_limit=int(gb * 2**30))
+        if proc.returncode == 0:
+            break
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"out of memory on a \d+-token pack .*; training each pack in \d+ parts", proc.stdout), gb
+    assert [r["step"] for r in records(out, "train")] == [1, 2]
+
+
+def test_a_pack_cut_in_parts_gives_its_loss(data_dir, hs_dir, verifier):
+    """The parts of a pack that ran out of memory, each loss weighted by its share of the loss-masked
+    tokens, give the whole pack's loss (padded to flex attention's blocks too)."""
+    from types import SimpleNamespace
+
+    from speculators.losses import resolve_loss_config
+
+    from common.draft import build_draft
+    from common.loader import PackedBatches, collect_rows, split_pack
+    from common.train import forward
+    manifest = read_json(hs_dir / "manifest.json")
+    files, lengths, aux, _ = collect_rows([str(data_dir)], str(data_dir / "vocab_mapping"),
+                                          manifest["inputs"]["verifier_hash"], manifest["hidden_size"])
+    batch = next(iter(PackedBatches(files, lengths, len(aux), manifest["hidden_size"], 2048, torch.device("cpu"),
+                                    torch.float32, threads=1)([list(range(12))])))
+    torch.manual_seed(0)
+    model = build_draft(str(verifier), aux, str(data_dir / "vocab_mapping"), 3, "sdpa")
+    args, loss_config = SimpleNamespace(noise_std=0, ttt_steps=3, ttt_loss_decay=1.0), resolve_loss_config("kl_div", "eager")
+    with torch.no_grad():
+        whole = float(forward(model, batch, args, loss_config, torch.device("cpu"), False)[0])
+        for pieces, multiple in [(2, 1), (4, 1), (4, 128)]:
+            parts = split_pack(batch, pieces, multiple)
+            assert len(parts) == pieces and sum(p["tokens"] for p, _ in parts) == batch["tokens"]
+            assert all(p["input_ids"].shape[1] % multiple == 0 for p, _ in parts)
+            got = sum(w * float(forward(model, p, args, loss_config, torch.device("cpu"), False)[0]) for p, w in parts)
+            assert got == pytest.approx(whole, rel=1e-5), (pieces, multiple)
+    one = {k: v[:, :lengths[0]] if torch.is_tensor(v) else v for k, v in batch.items()}
+    one["tokens"] = lengths[0]
+    assert len(split_pack(one, 4)) == 1  # one conversation cannot be cut
 
 
 def test_muon_trains_a_two_layer_draft_with_its_two_optimizers(tmp_path, data_dir):
@@ -191,6 +269,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path, data_dir, hs_dir, other_verif
         (["--data-dir", data_dir, "--best-by", "bleu"], "invalid choice"),
         (["--data-dir", data_dir, "--max-steps", 0], "--max-steps"),
         (["--data-dir", data_dir, "--loss", "nonsense"], "unknown loss function"),
+        (["--data-dir", data_dir, "--attn-impl", "simple_flex_attention"], "trains only on a GPU"),
+        (["--data-dir", data_dir, "--draft-layers", 0], "--draft-layers 0: must be at least 1"),
     ]
     for args, words in cases:
         assert_user_error(stage("04_train.py", *common, *args, check=False), words)
