@@ -39,7 +39,8 @@ def build_parser():
     p.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
     p.add_argument("--grad-accum", type=int, default=1, help="packed sequences per optimizer step (per GPU)")
     p.add_argument("--max-seq-len", type=int, default=2048,
-                   help="tokens per packed training sequence (the batch token budget per GPU)")
+                   help="tokens per packed training sequence (the batch token budget per GPU); a pack that runs "
+                        "out of memory is trained in parts cut at conversation boundaries, and the log says so")
     p.add_argument("--draft-layers", type=int, default=1,
                    help="decoder layers in the draft (the first reads the token embedding and fc output, as vLLM's "
                         "eagle3 drafts do; more layers cost proportionally more per drafted token at serving)")

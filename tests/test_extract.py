@@ -159,7 +159,7 @@ def test_extraction_under_a_memory_limit_splits_batches_and_matches(tmp_path, da
     assert "out of memory on a batch of" in proc.stdout and "splitting it in two" in proc.stdout, gb
     out = tmp_path / "hidden_states" / f"rows_0-{ROWS}"
     for name in os.listdir(hs_dir):
-        if name.endswith(".safetensors"):  # batched with other rows and padding: equal within fp32 rounding
+        if name.endswith(".safetensors"):  # batched with other rows and padding: equal within bf16 rounding
             a, b = load_file(out / name), load_file(hs_dir / name)
             assert torch.equal(a["token_ids"], b["token_ids"]), name
-            torch.testing.assert_close(a["hidden_states"], b["hidden_states"], rtol=1e-4, atol=1e-4, msg=name)
+            torch.testing.assert_close(a["hidden_states"], b["hidden_states"], rtol=1.6e-2, atol=1e-3, msg=name)
