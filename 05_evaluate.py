@@ -45,6 +45,23 @@ def build_parser():
     return p
 
 
+def draft_names(paths: list[str]) -> dict[str, str]:
+    """A row name for each draft: the last folder of its real path, or as many of its last folders as it
+    takes to tell it from the others (`runA/checkpoints/best` and `runB/checkpoints/best` both point at an
+    `epoch_2`: they become `runA/checkpoints/epoch_2` and `runB/...`). The same draft twice is an error."""
+    parts = [os.path.realpath(p.rstrip("/")).split(os.sep) for p in paths]
+    if len(set(map(tuple, parts))) < len(parts):
+        raise UserError(f"the same draft is given twice ({' '.join(paths)}): give each once")
+    depth = [1] * len(parts)
+    while True:
+        names = ["/".join(x[-d:]) for x, d in zip(parts, depth)]
+        clashes = [i for i, n in enumerate(names) if names.count(n) > 1]
+        if not clashes:
+            return dict(zip(names, paths))
+        for i in clashes:
+            depth[i] += 1
+
+
 def check_draft(path: str, text_config) -> None:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
@@ -74,7 +91,7 @@ def run(args):
         raise UserError("--backend transformers simulates greedy decoding only; use --temperature 0")
     verifier = resolve_verifier(args.verifier_path, args)
     text_config = load_text_config(verifier, args.trust_remote_code)
-    drafts = {os.path.basename(os.path.realpath(p.rstrip("/"))) or p: p for p in [args.draft_path, *args.compare]}
+    drafts = draft_names([args.draft_path, *args.compare])
     for path in drafts.values():
         check_draft(path, text_config)
     tokenizer = load_tokenizer(verifier, args.trust_remote_code)

@@ -1,7 +1,9 @@
 """Stage 05 with real vLLM (the CPU build) and the real verifier: trained vs random draft, both backends."""
+import os
+
 import pytest
 
-from conftest import assert_user_error, read_json, stage
+from conftest import ROOT, assert_user_error, read_json, stage
 
 EVAL_ARGS = ["--num-prompts", 6, "--max-new-tokens", 48, "--max-turns", 2, "--max-prompt-len", 512]
 
@@ -65,6 +67,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, trained, data_dir, other_veri
         (["--draft-path", best, "--tensor-parallel-size", 0], "--tensor-parallel-size"),
         (["--draft-path", best, "--gpu-memory-utilization", 1.5], "--gpu-memory-utilization"),
         (["--draft-path", tmp_path], "not a draft checkpoint"),
+        (["--draft-path", best, "--compare", best], "the same draft is given twice"),
     ]
     for args, words in cases:
         assert_user_error(stage("05_evaluate.py", "--data-dir", data_dir, "--output-dir", tmp_path, *args,
@@ -94,3 +97,19 @@ def test_vllm_with_tensor_parallel_2(tmp_path, tokenizer, data_dir):
     assert "tensor_parallel_size=2" in log.replace(" ", "")
     report = read_json(tmp_path / "eval" / "eval.json")["drafts"]["draft"]
     assert report["lossless"] is True and report["drafts"] > 0
+
+
+def test_drafts_of_two_runs_get_their_own_rows(tmp_path):
+    """Two runs' `checkpoints/best` both point at an `epoch_2`: each keeps a row of its own, named by as
+    many folders as tell them apart (they once shared one row, silently)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("evaluate_stage", os.path.join(ROOT, "05_evaluate.py"))
+    stage_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stage_module)
+    for run in ("ttt5", "lk"):
+        (tmp_path / run / "checkpoints" / "epoch_2").mkdir(parents=True)
+        (tmp_path / run / "checkpoints" / "best").symlink_to("epoch_2")
+    (tmp_path / "solo").mkdir()
+    paths = [str(tmp_path / "ttt5/checkpoints/best"), str(tmp_path / "lk/checkpoints/best/"), str(tmp_path / "solo")]
+    assert stage_module.draft_names(paths) == {
+        "ttt5/checkpoints/epoch_2": paths[0], "lk/checkpoints/epoch_2": paths[1], "solo": paths[2]}
