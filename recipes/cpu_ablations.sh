@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The small-size ablations of docs/quality.md (2 CPU cores): one flag each over configs/default.yaml on the rows
+# of runs/demo400/data (make pipeline with the default config into that data dir), then one 05 over all.
+set -u
+cd "$(dirname "$0")/.."
+export EAGLE3_CACHE=$PWD/.cache/eagle3 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CACHE_ROOT=$PWD/.cache/vllm
+PY=.venv/bin/python; D=runs/demo400/data; C=configs/default.yaml; O=runs/abl
+$PY 02_build_vocab_mapping.py --config $C --data-dir $D --draft-vocab-size 16384 --output-dir $O/v16k_map
+t() { n=$1; shift; s=$(date +%s); $PY 04_train.py --config $C --data-dir $D --output-dir $O/$n "$@" > $O/$n.log 2>&1; echo "$(date +%T) $n rc $? $(( $(date +%s) - s ))s: $(tail -1 $O/$n.log | cut -c1-200)"; }
+t ttt5 --ttt-steps 5
+t lk --loss lk_hybrid
+t l2 --draft-layers 2
+t v16k --vocab-mapping-dir $O/v16k_map
+$PY 05_evaluate.py --config $C --data-dir $D --draft-path runs/demo400/out/checkpoints/best \
+  --compare $O/ttt5/checkpoints/best $O/lk/checkpoints/best $O/l2/checkpoints/best $O/v16k/checkpoints/best \
+  --output-dir $O/eval --num-prompts 24 > $O/eval.log 2>&1
+echo "$(date +%T) eval rc $?: $(tail -1 $O/eval.log | cut -c1-300)"
