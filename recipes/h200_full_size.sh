@@ -51,7 +51,7 @@ if [ "$BENCH" = 1 ]; then
   say "bench: $(grep -h 'tok/s' $W/logs/bench_regen.out | tr -s ' ' | paste -sd';')"; T0=$(date +%s)
 fi
 if [ "$LONG" = 1 ]; then
-  $PY bench/bench_train.py --seq-len 8192 16384 32768 --rows 4 --steps 20 --only ours ours+compile-wait+flex \
+  $PY bench/bench_train.py --seq-len 32768 16384 8192 --rows 24 --steps 20 --only ours ours+compile-wait+flex \
     --work /tmp/long --clean --json $W/logs/long.json > $W/logs/long.out 2>&1
   say "long-context curve: $(tail -4 $W/logs/long.out | paste -sd';')"; T0=$(date +%s)
 fi
