@@ -206,11 +206,12 @@ def backward_fitting(model, batch: dict, pieces: int, args, loss_config, device,
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if len(split_pack(batch, pieces * 2)) <= len(split_pack(batch, pieces)):
-            raise UserError(f"out of memory on a packed sequence that cannot be cut further (one conversation of "
-                            f"{batch['tokens']} tokens): lower --max-seq-len or free memory ({error})")
+            raise UserError(f"out of memory with each conversation of a {batch['tokens']}-token pack on its own: "
+                            f"lower --max-seq-len or free memory ({error})")
         pieces *= 2
         log.warning(f"out of memory on a {batch['tokens']}-token pack ({error}); training each pack in {pieces} parts "
-                    "from here on (cut at conversation boundaries, same tokens per step)")
+                    "from here on (cut at conversation boundaries, same tokens per step)"
+                    + ("; this optimizer step drops its earlier micro-batches" if args.grad_accum > 1 else ""))
 
 
 @torch.no_grad()
