@@ -152,7 +152,7 @@ def draft_attention(args, on_gpu: bool) -> str:
     2K tokens), flex attention's block mask from FLEX_FROM_TOKENS on, compiled: at 32K-token packs of an 8B-shaped
     draft 1.83x the tokens/s of eager sdpa in 42% of its memory (docs/benchmarks.md). Flex attention runs only
     compiled: eager, it falls back to a path that materializes every score."""
-    long_packs = args.max_seq_len >= FLEX_FROM_TOKENS and args.max_seq_len % FLEX_BLOCK == 0
+    long_packs = args.max_seq_len >= FLEX_FROM_TOKENS
     if args.attn_impl == FLEX and not on_gpu:
         raise UserError(f"--attn-impl {FLEX} trains only on a GPU (torch has no flex attention backward "
                         "on the CPU); use --attn-impl auto")
@@ -164,10 +164,11 @@ def draft_attention(args, on_gpu: bool) -> str:
             log.warning("flex attention without --compile runs its unfused path, which holds every score: "
                         "slow, and out of memory on long packs")
         return args.attn_impl
-    if long_packs and not (args.compile and on_gpu):
-        log.info(f"{args.max_seq_len}-token packs with sdpa's dense TTT mask: on a GPU, --compile trains them with "
-                 "flex attention's block mask instead (less memory, faster)")
-    return FLEX if long_packs and args.compile and on_gpu else "sdpa"
+    flex = long_packs and args.compile and on_gpu and args.max_seq_len % FLEX_BLOCK == 0
+    if long_packs and not flex:
+        log.info(f"{args.max_seq_len}-token packs with sdpa's dense TTT mask: with --compile on a GPU and --max-seq-len "
+                 f"in whole {FLEX_BLOCK}-token blocks, flex attention's block mask trains them instead (less memory, faster)")
+    return FLEX if flex else "sdpa"
 
 
 def forward(model, batch: dict, args, loss_config, device, noise: bool):
@@ -184,14 +185,15 @@ def forward(model, batch: dict, args, loss_config, device, noise: bool):
     return loss, metrics
 
 
-def backward_fitting(model, batch: dict, pieces: int, args, loss_config, device, params) -> tuple[dict, int]:
-    """Forward and backward of one packed batch, in `pieces` parts; on out-of-memory, again in twice as many
-    parts (cut at conversation boundaries, the same tokens and loss weights), until it fits. Returns the
-    step's metrics and the number of parts that fit, which later batches start from."""
+def backward_fitting(model, batch: dict, pieces: int, multiple: int, args, loss_config, device, params) -> tuple[dict, int]:
+    """Forward and backward of one packed batch, in `pieces` parts (each padded to a `multiple` of tokens);
+    on out-of-memory, again in twice as many parts (cut at conversation boundaries, the same tokens and
+    loss weights), until it fits. Returns the step's metrics and the number of parts that fit, which later
+    batches start from."""
     while True:
         try:
             metrics = {}
-            for part, weight in split_pack(batch, pieces, FLEX_BLOCK if args.attn == FLEX else 1) if pieces > 1 else [(batch, 1.0)]:
+            for part, weight in split_pack(batch, pieces, multiple) if pieces > 1 else [(batch, 1.0)]:
                 loss, part_metrics = forward(model, part, args, loss_config, device, noise=True)
                 (loss * weight / args.grad_accum).backward()
                 add_metrics(metrics, part_metrics)
@@ -246,7 +248,8 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     hidden = text_config.hidden_size
     files, lengths, aux, folders = collect_rows(args.data_dir, args.vocab_mapping_dir, verifier_hash, hidden)
     train_rows, val_rows = split_rows(len(files), args.val_ratio, args.seed)
-    attn = args.attn = draft_attention(args, on_gpu)
+    attn = draft_attention(args, on_gpu)
+    multiple = FLEX_BLOCK if attn == FLEX else 1  # the length a pack cut after out-of-memory is padded to
     if args.compile and on_gpu:  # inductor's compile workers start while the draft is built (~3 s sooner to the first step)
         from torch._inductor.async_compile import maybe_warm_pool
         maybe_warm_pool()
@@ -346,7 +349,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
             if compiler:  # swaps the compiled forward into the model when it is ready
                 compiler.start(batch, pos.step)
                 compiler.finish(pos.step, block=False)
-            metrics, pieces = backward_fitting(model, batch, pieces, args, loss_config, device, params)
+            metrics, pieces = backward_fitting(model, batch, pieces, multiple, args, loss_config, device, params)
             add_metrics(sums, metrics)
             tokens_since += batch["tokens"] * world
             if (k + 1) % args.grad_accum and k + 1 < len(micro):
