@@ -10,15 +10,19 @@
 #   then:  B (ours on regen), C (speculators' own trainer on exactly B's data and epochs, C=1),
 #          D (ours on orig + regen: every conversation twice, once with each reply), all $EPOCHS epochs;
 #          without regenerated data, C trains on orig (the 2026-12-03 runs a and c).
-#   ABL=1: beside run a, the ablations of docs/quality.md on the same rows, each one flag over the config:
-#          ttt5 (--ttt-steps 5), lk (--loss lk_hybrid), l2 (--draft-layers 2), v32k (a 32,768-token draft vocabulary).
-#   LONG=1 first runs the long-context curve (bench/bench_train.py, 8B-shaped draft at 8K/16K/32K-token packs,
-#          sdpa's dense TTT mask against flex attention's block mask) alone on the GPU, into logs/long.out.
+#   ABL="NAME ...": beside run a, ablations of docs/quality.md on the same rows, each one flag over the config:
+#          ttt5 (--ttt-steps 5), lk (--loss lk_hybrid), l2 (--draft-layers 2), v32k (a 32,768-token draft
+#          vocabulary), lr2 (--lr 2e-3); ABL=1 is "ttt5 lk l2 v32k" (five trainings at once on one GPU died
+#          with 'unspecified launch failure' once: keep it to three or four).
+#   LONG=1 first runs the long-context curve (bench/bench_train.py, 8B-shaped draft at $LONG_LENS-token packs,
+#          sdpa's dense TTT mask against flex attention's block mask) alone on the GPU, into logs/long.out,
+#          while 01 prepares the rows on the CPU.
 # Each best checkpoint is slimmed (recipes/slim_checkpoint.py) into $W/results/NAME.tar; logs into logs.tgz.
 set -uo pipefail
 W=${W:-/tmp/e3}; N=${N:-12000}; SHARDS=${SHARDS:-8}; RSHARD=${RSHARD:-2000}; REGEN_S=${REGEN_S:-300}
 NREGEN=${NREGEN:-4000}; EPOCHS=${EPOCHS:-3}; PY=${PY:-python3}; CFG=${CFG:-configs/full-size.yaml}; C=${C:-1}
-A=${A:-1}; BENCH=${BENCH:-0}; ABL=${ABL:-0}; LONG=${LONG:-0}
+A=${A:-1}; BENCH=${BENCH:-0}; ABL=${ABL:-}; LONG=${LONG:-0}; LONG_LENS=${LONG_LENS:-32768 16384 8192}
+[ "$ABL" = 1 ] && ABL="ttt5 lk l2 v32k"; [ "$ABL" = 0 ] && ABL=
 mkdir -p "$W/logs" "$W/results" "$W/slim"
 say() { echo "$(date +%T) $*"; }
 ranges() { for k in $(seq 0 $(($2 - 1))); do echo "$(($1 * k / $2))-$(($1 * (k + 1) / $2))"; done; }
@@ -50,10 +54,12 @@ if [ "$BENCH" = 1 ]; then
   $PY bench/bench_regen.py --prompts 256 --max-new-tokens 128 > $W/logs/bench_regen.out 2>&1
   say "bench: $(grep -h 'tok/s' $W/logs/bench_regen.out | tr -s ' ' | paste -sd';')"; T0=$(date +%s)
 fi
+long=()
 if [ "$LONG" = 1 ]; then
-  $PY bench/bench_train.py --seq-len 32768 16384 8192 --rows 24 --steps 20 --only ours ours+compile-wait+flex \
-    --work /tmp/long --clean --json $W/logs/long.json > $W/logs/long.out 2>&1
-  say "long-context curve: $(tail -4 $W/logs/long.out | paste -sd';')"; T0=$(date +%s)
+  ( $PY bench/bench_train.py --seq-len $LONG_LENS --rows 24 --steps 20 --only ours ours+compile-wait+flex \
+      --work /tmp/long --clean --json $W/logs/long.json > $W/logs/long.out 2>&1
+    cp $W/logs/long.out $W/logs/long.json $W/results/
+    say "long-context curve: $(tail -4 $W/logs/long.out | paste -sd';')" ) & long=($!)
 fi
 say "01 orig: $SHARDS shards of 0-$N; regeneration in shards of $RSHARD for ${REGEN_S}s"
 regen_loop & regen=$!
@@ -63,16 +69,21 @@ for r in $(ranges $N $SHARDS); do
 done
 wait "${orig[@]}"; say "01 orig done"
 $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig > $W/logs/02_orig.out 2>&1
+[ -n "${long[*]}" ] && { wait "${long[@]}"; T0=$(date +%s); }  # the curve's timings want the GPU alone
 $PY 03_extract_hidden_states.py --config $CFG --data-dir $W/orig > $W/logs/03_orig.out 2>&1
 say "03 orig: $(tail -1 $W/logs/03_orig.out); disk $(df -h $W | tail -1)"
 [ "$A" = 1 ] && train a --data-dir $W/orig &
-if [ "$ABL" = 1 ]; then
-  $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig --draft-vocab-size 32768 --output-dir $W/v32k > $W/logs/02_v32k.out 2>&1
-  train ttt5 --data-dir $W/orig --ttt-steps 5 &
-  train lk --data-dir $W/orig --loss lk_hybrid &
-  train l2 --data-dir $W/orig --draft-layers 2 &
-  train v32k --data-dir $W/orig --vocab-mapping-dir $W/v32k &
-fi
+for abl in $ABL; do
+  case $abl in
+    ttt5) train ttt5 --data-dir $W/orig --ttt-steps 5 & ;;
+    lk) train lk --data-dir $W/orig --loss lk_hybrid & ;;
+    l2) train l2 --data-dir $W/orig --draft-layers 2 & ;;
+    lr2) train lr2 --data-dir $W/orig --lr 2e-3 & ;;
+    v32k) $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig --draft-vocab-size 32768 --output-dir $W/v32k \
+            > $W/logs/02_v32k.out 2>&1 && train v32k --data-dir $W/orig --vocab-mapping-dir $W/v32k & ;;
+    *) say "unknown ablation $abl (ttt5 lk l2 lr2 v32k)"; exit 2 ;;
+  esac
+done
 
 wait $regen; say "regeneration done"
 CDATA=$W/orig
