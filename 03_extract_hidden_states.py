@@ -14,7 +14,7 @@ from common.extract import RowWriter, TransformersBackend, extract_transformers,
 from common.log import Progress, log
 from common.manifest import (atomic_write_json, find_stage_dirs, manifest_hash, output_lock, read_manifest,
                              write_manifest)
-from common.verifier import (check_aux_layers, default_aux_layers, load_text_config, load_tokenizer,
+from common.verifier import (check_aux_layers, compute_dtype, default_aux_layers, load_text_config, load_tokenizer,
                              resolve_verifier, tokenizer_fingerprint, verifier_fingerprint)
 
 STAGE = "03_extract_hidden_states"
@@ -34,7 +34,8 @@ def build_parser():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda, cpu, or auto (transformers device_map over all visible GPUs)")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"],
-                   help="compute dtype (default bfloat16 on a GPU, float32 on the CPU); files: --hidden-states-dtype")
+                   help="compute dtype (default bfloat16 on a GPU and on a CPU with AMX, float32 on other CPUs); "
+                        "files: --hidden-states-dtype")
     p.add_argument("--hidden-states-dtype", choices=["bf16", "fp8"], default="bf16",
                    help="file format of the states: bf16, or fp8 (float8_e4m3fn with one float32 scale per token, "
                         "hs-connectors' format: about half the bytes); 04 reads both")
@@ -185,7 +186,7 @@ def run(args):
     n = text_config.num_hidden_layers
     aux = check_aux_layers(args.layers if args.layers else default_aux_layers(n), n)
     log.info(f"verifier {verifier}: {n} layers, hidden {text_config.hidden_size}; aux layers {aux} + final layer {n}")
-    dtype = args.dtype or ("bfloat16" if args.device != "cpu" else "float32")
+    args.dtype = dtype = args.dtype or compute_dtype(args.device)  # the manifest's flags record the one used
     if args.backend == "transformers":
         args._backend = TransformersBackend.load(verifier, aux, n, dtype, args.device, args.trust_remote_code)
         args._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

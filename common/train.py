@@ -19,6 +19,7 @@ from common.extract import is_oom
 from common.loader import PackedBatches, collect_rows, epoch_batches, split_pack, split_rows
 from common.log import LAUNCH, fmt_duration, log, memory_summary
 from common.manifest import atomic_write_text, sha256_json
+from common.verifier import compute_dtype
 
 
 # ---------------------------------------------------------------- schedule, metrics
@@ -176,7 +177,7 @@ def forward(model, batch: dict, args, loss_config, device, noise: bool):
     hs = batch["hidden_states"]
     if noise and args.noise_std > 0:  # augmentation of the train split only
         hs = hs + args.noise_std * torch.randn_like(hs)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
         _, loss, metrics = model(
             hidden_states=hs, input_ids=batch["input_ids"], document_ids=batch["document_ids"],
             loss_mask=batch["loss_mask"], position_ids=batch["position_ids"],
@@ -244,6 +245,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     # ------------------------------------------------ data, draft, optimizer
     rank, world, device = setup_distributed()
     on_gpu = device.type == "cuda"
+    args.dtype = args.dtype or compute_dtype(device.type)
     torch.manual_seed(args.seed)
     hidden = text_config.hidden_size
     files, lengths, aux, folders = collect_rows(args.data_dir, args.vocab_mapping_dir, verifier_hash, hidden)
@@ -256,7 +258,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     t_build = time.time()
     model = build_draft(verifier, aux, args.vocab_mapping_dir, args.ttt_steps, attn, args.trust_remote_code, device=device,
                         norm_before_fc=args.norm_before_fc, norm_output=args.norm_output, num_layers=args.draft_layers)
-    if on_gpu:  # frozen verifier pieces in bf16 once, rather than an autocast copy of them every step
+    if args.dtype == "bfloat16":  # frozen verifier pieces in bf16 once, rather than an autocast copy of them every step
         for frozen in (model.embed_tokens, model.lm_head, model.verifier_lm_head, model.verifier_norm):
             frozen.to(torch.bfloat16)
     from speculators.losses import resolve_loss_config
@@ -268,9 +270,9 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         log.info(f"{len(files)} rows from {len(folders)} folder(s): {len(train_rows)} train, {len(val_rows)} val; "
                  f"aux layers {aux}; draft vocab {model.draft_vocab_size}; "
                  f"{sum(p.numel() for p in params) / 1e6:.1f}M trainable parameters; attention {attn}; "
-                 f"device {device} x {world}")
+                 f"device {device} x {world}, {args.dtype}")
         log.info(f"draft built in {time.time() - t_build:.1f}s; {time.time() - LAUNCH:.1f}s since launch")
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    dtype = getattr(torch, args.dtype)
     packed = PackedBatches(files, lengths, len(aux), hidden, args.max_seq_len, device, dtype, args.num_workers)
     train_lengths = [lengths[i] for i in train_rows]
     total_steps = args.max_steps or sum(

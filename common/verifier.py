@@ -140,6 +140,17 @@ def verifier_fingerprint(text_config) -> str:
     return sha256_text(json.dumps({k: getattr(text_config, k, None) for k in keys}, sort_keys=True))
 
 
+def compute_dtype(device: str) -> str:
+    """Default compute dtype of the verifier (03) and the draft (04): bfloat16 on a GPU and on a CPU that
+    multiplies bfloat16 natively (Intel AMX: 9x float32's matmul rate on this project's 2-core machine,
+    03 3.1x and 04 1.7x faster, docs/benchmarks.md), float32 on other CPUs, where bfloat16 is emulated."""
+    if device != "cpu":
+        return "bfloat16"
+    import torch
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return "bfloat16" if amx is not None and amx() else "float32"
+
+
 def default_aux_layers(num_layers: int) -> list[int]:
     """speculators' and vLLM's default [2, N/2, N-3]; below 7 layers those collide, so the ids are spread
     over the layers instead (distinct, ascending)."""

@@ -133,7 +133,7 @@ def test_flex_block_mask_gives_the_dense_mask_forward(data_dir, hs_dir, verifier
     batch = next(iter(PackedBatches(files, lengths, len(aux), manifest["hidden_size"], 1024, torch.device("cpu"),
                                     torch.float32, threads=1)([[0, 1, 2, 3]])))
     assert len(set(batch["document_ids"].flatten().tolist()) - {-1}) >= 3 and batch["tokens"] < 1024  # padded too
-    args = SimpleNamespace(noise_std=0, ttt_steps=3, ttt_loss_decay=1.0)
+    args = SimpleNamespace(noise_std=0, ttt_steps=3, ttt_loss_decay=1.0, dtype="float32")
     results = {}
     for attn in ("sdpa", "simple_flex_attention"):
         torch.manual_seed(0)
@@ -210,7 +210,7 @@ def test_a_pack_cut_in_parts_gives_its_loss(data_dir, hs_dir, verifier):
                                     torch.float32, threads=1)([list(range(12))])))
     torch.manual_seed(0)
     model = build_draft(str(verifier), aux, str(data_dir / "vocab_mapping"), 3, "sdpa")
-    args, loss_config = SimpleNamespace(noise_std=0, ttt_steps=3, ttt_loss_decay=1.0), resolve_loss_config("kl_div", "eager")
+    args, loss_config = SimpleNamespace(noise_std=0, ttt_steps=3, ttt_loss_decay=1.0, dtype="float32"), resolve_loss_config("kl_div", "eager")
     with torch.no_grad():
         whole = float(forward(model, batch, args, loss_config, torch.device("cpu"), False)[0])
         for pieces, multiple in [(2, 1), (4, 1), (4, 128)]:
