@@ -176,6 +176,26 @@ def test_compiled_forward_trains_what_eager_trains(tmp_path, data_dir):
     assert [r["loss"] for r in runs["beside"]] == pytest.approx([r["loss"] for r in runs["eager"]], rel=1e-3)
 
 
+def test_bf16_trains_what_float32_trains(tmp_path, data_dir):
+    """--dtype bfloat16 (autocast over float32 weights: the default on a GPU and on a CPU with AMX) follows the
+    float32 run's losses within bf16 rounding, and the log and run.json say which dtype ran; without the flag,
+    04 takes common/verifier.py's compute_dtype for the device."""
+    from common.verifier import compute_dtype
+    runs, steps = {}, 12
+    for dtype in ("float32", "bfloat16", None):
+        out = tmp_path / str(dtype)
+        proc = stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--max-steps", steps, "--log-every", 1,
+                     "--val-ratio", 0, "--max-seq-len", 512, "--lr", 1e-3, *(["--dtype", dtype] if dtype else []))
+        ran = dtype or compute_dtype("cpu")
+        assert f"device cpu x 1, {ran}" in proc.stdout
+        assert read_json(out / "checkpoints" / "latest" / "run.json")["args"]["dtype"] == ran
+        runs[dtype] = [r["loss"] for r in records(out, "train")]
+    assert len(runs["float32"]) == steps and runs["float32"][-1] < 0.8 * runs["float32"][0]
+    assert runs["bfloat16"] == pytest.approx(runs["float32"], rel=0.02)
+    assert runs["bfloat16"] != runs["float32"], "the bf16 run computed in float32"
+    assert runs[None] == runs[compute_dtype("cpu")]
+
+
 @pytest.mark.slow
 def test_training_under_a_memory_limit_cuts_packs_and_goes_on(tmp_path, data_dir):
     """04 under a host memory limit too small for its 8K-token packs: the step that runs out of memory is
