@@ -101,7 +101,9 @@ def data_dir(tmp_path_factory, verifier):
     data = tmp_path_factory.mktemp("data")
     stage("01_prepare_dataset.py", "--data-dir", data, "--num-samples", ROWS, "--max-seq-len", SEQ)
     stage("02_build_vocab_mapping.py", "--data-dir", data, "--draft-vocab-size", DRAFT_VOCAB)
-    stage("03_extract_hidden_states.py", "--data-dir", data, "--max-tokens-per-batch", 2048)
+    # float32: the reference the equivalence tests compare against at float32's precision; bf16 (the default on
+    # a CPU with AMX) is compared with it in test_extract.py
+    stage("03_extract_hidden_states.py", "--data-dir", data, "--max-tokens-per-batch", 2048, "--dtype", "float32")
     return data
 
 
