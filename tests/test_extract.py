@@ -41,7 +41,7 @@ def test_files_match_an_unbatched_forward(verifier, prepared_dir, hs_dir):
 def test_resume_after_kill_and_corrupt_file_redone(tmp_path, data_dir, hs_dir, share):
     shutil.copytree(data_dir / "prepared", tmp_path / "prepared")
     args = [sys.executable, os.path.join(ROOT, "03_extract_hidden_states.py"), "--data-dir", tmp_path,
-            "--max-tokens-per-batch", 2048]  # the budget of the uninterrupted run (fixture)
+            "--max-tokens-per-batch", 2048, "--dtype", "float32"]  # the budget and dtype of the uninterrupted run (fixture)
     out = tmp_path / "hidden_states" / f"rows_0-{ROWS}"
     files = max(1, int(share * sum(f.endswith(".safetensors") for f in os.listdir(hs_dir))))
     kill_at(args, lambda: out.exists() and sum(f.endswith(".safetensors") for f in os.listdir(out)) >= files)
@@ -50,7 +50,7 @@ def test_resume_after_kill_and_corrupt_file_redone(tmp_path, data_dir, hs_dir, s
     # plant a truncated file, as a crash in the middle of a write on another filesystem would leave
     victim = out / done[0]
     victim.write_bytes(victim.read_bytes()[:1000])
-    proc = stage("03_extract_hidden_states.py", "--data-dir", tmp_path, "--max-tokens-per-batch", 2048)
+    proc = stage("03_extract_hidden_states.py", *args[2:])
     assert "corrupt" in proc.stdout
     counts = read_json(out / "manifest.json")["counts"]
     assert counts["corrupt_redone"] == 1 and counts["skipped_complete"] == len(done) - 1
@@ -70,7 +70,7 @@ def test_fp8_states_read_by_hs_connectors_and_trained_on(tmp_path, data_dir, hs_
     shutil.copytree(data_dir / "prepared", tmp_path / "prepared")
     shutil.copytree(data_dir / "vocab_mapping", tmp_path / "vocab_mapping")
     stage("03_extract_hidden_states.py", "--data-dir", tmp_path, "--max-tokens-per-batch", 2048,
-          "--hidden-states-dtype", "fp8")
+          "--hidden-states-dtype", "fp8", "--dtype", "float32")  # the fixture's: fp8's rounding alone is compared
     out = tmp_path / "hidden_states" / f"rows_0-{ROWS}"
     fp8, bf16 = read_json(out / "manifest.json"), read_json(hs_dir / "manifest.json")
     assert fp8["hidden_states_dtype"] == "fp8"
