@@ -143,7 +143,7 @@ def verifier_fingerprint(text_config) -> str:
 def compute_dtype(device: str) -> str:
     """Default compute dtype of the verifier (03) and the draft (04): bfloat16 on a GPU and on a CPU that
     multiplies bfloat16 natively (Intel AMX: 9x float32's matmul rate on this project's 2-core machine,
-    03 3.1x and 04 1.7x faster, docs/benchmarks.md), float32 on other CPUs, where bfloat16 is emulated."""
+    03 2.89x and 04 1.52x faster, bench/bench_cpu_dtype.py), float32 on other CPUs, where bfloat16 is emulated."""
     if device != "cpu":
         return "bfloat16"
     import torch

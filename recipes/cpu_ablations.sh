@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The small-size ablations of docs/quality.md (2 CPU cores): one flag each over configs/default.yaml on the rows
-# of runs/demo400/data (make pipeline with the default config into that data dir), then one 05 over all.
+# of runs/demo400/data (make pipeline into that data dir with the default config of then: prepare.num_samples 400),
+# then one 05 over all. The figures were measured in float32, before bf16 became the default on a CPU with AMX:
+# add --dtype float32 to 03 and 04 to reproduce them.
 set -u
 cd "$(dirname "$0")/.."
 export EAGLE3_CACHE=$PWD/.cache/eagle3 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CACHE_ROOT=$PWD/.cache/vllm

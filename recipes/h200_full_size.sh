@@ -12,8 +12,8 @@
 #          without regenerated data, C trains on orig (the 2026-12-03 runs a and c).
 #   ABL="NAME ...": beside run a, ablations of docs/quality.md on the same rows, each one flag over the config:
 #          ttt5 (--ttt-steps 5), lk (--loss lk_hybrid), l2 (--draft-layers 2), v32k (a 32,768-token draft
-#          vocabulary), lr2 (--lr 2e-3); ABL=1 is "ttt5 lk l2 v32k" (five trainings at once on one GPU died
-#          with 'unspecified launch failure' once: keep it to three or four).
+#          vocabulary), lr2 (--lr 2e-3); ABL=1 is "ttt5 lk l2 v32k". Four or five trainings at once on one GPU
+#          have died with 'unspecified launch failure' (twice; not seen alone): keep it to three.
 #   LONG=1 first runs the long-context curve (bench/bench_train.py, 8B-shaped draft at $LONG_LENS-token packs,
 #          sdpa's dense TTT mask against flex attention's block mask) alone on the GPU, into logs/long.out,
 #          while 01 prepares the rows on the CPU.
@@ -23,6 +23,7 @@ W=${W:-/tmp/e3}; N=${N:-12000}; SHARDS=${SHARDS:-8}; RSHARD=${RSHARD:-2000}; REG
 NREGEN=${NREGEN:-4000}; EPOCHS=${EPOCHS:-3}; PY=${PY:-python3}; CFG=${CFG:-configs/full-size.yaml}; C=${C:-1}
 A=${A:-1}; BENCH=${BENCH:-0}; ABL=${ABL:-}; LONG=${LONG:-0}; LONG_LENS=${LONG_LENS:-32768 16384 8192}
 [ "$ABL" = 1 ] && ABL="ttt5 lk l2 v32k"; [ "$ABL" = 0 ] && ABL=
+for abl in $ABL; do case $abl in ttt5|lk|l2|lr2|v32k) ;; *) echo "ABL: unknown ablation $abl (ttt5 lk l2 lr2 v32k)"; exit 2 ;; esac; done
 mkdir -p "$W/logs" "$W/results" "$W/slim"
 say() { echo "$(date +%T) $*"; }
 ranges() { for k in $(seq 0 $(($2 - 1))); do echo "$(($1 * k / $2))-$(($1 * (k + 1) / $2))"; done; }
@@ -81,7 +82,6 @@ for abl in $ABL; do
     lr2) train lr2 --data-dir $W/orig --lr 2e-3 & ;;
     v32k) $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig --draft-vocab-size 32768 --output-dir $W/v32k \
             > $W/logs/02_v32k.out 2>&1 && train v32k --data-dir $W/orig --vocab-mapping-dir $W/v32k & ;;
-    *) say "unknown ablation $abl (ttt5 lk l2 lr2 v32k)"; exit 2 ;;
   esac
 done
 
