@@ -12,8 +12,10 @@
 #          without regenerated data, C trains on orig (the 2026-12-03 runs a and c).
 #   ABL="NAME ...": beside run a, ablations of docs/quality.md on the same rows, each one flag over the config:
 #          ttt5 (--ttt-steps 5), lk (--loss lk_hybrid), l2 (--draft-layers 2), v32k (a 32,768-token draft
-#          vocabulary), lr2 (--lr 2e-3); ABL=1 is "ttt5 lk l2 v32k". Four or five trainings at once on one GPU
-#          have died with 'unspecified launch failure' (twice; not seen alone): keep it to three.
+#          vocabulary), lr2 (--lr 2e-3), or several joined by + (l2+v32k); ABL=1 is "ttt5 lk l2 v32k". Four or
+#          five trainings at once on one GPU have died with 'unspecified launch failure' (twice, each soon after
+#          the background compile swapped in; not seen alone): keep it to three. Every training here compiles
+#          before its first step (--compile-wait) and, if it fails, is rerun once with --resume.
 #   LONG=1 first runs the long-context curve (bench/bench_train.py, 8B-shaped draft at $LONG_LENS-token packs,
 #          sdpa's dense TTT mask against flex attention's block mask) alone on the GPU, into logs/long.out,
 #          while 01 prepares the rows on the CPU.
@@ -23,7 +25,17 @@ W=${W:-/tmp/e3}; N=${N:-12000}; SHARDS=${SHARDS:-8}; RSHARD=${RSHARD:-2000}; REG
 NREGEN=${NREGEN:-4000}; EPOCHS=${EPOCHS:-3}; PY=${PY:-python3}; CFG=${CFG:-configs/full-size.yaml}; C=${C:-1}
 A=${A:-1}; BENCH=${BENCH:-0}; ABL=${ABL:-}; LONG=${LONG:-0}; LONG_LENS=${LONG_LENS:-32768 16384 8192}
 [ "$ABL" = 1 ] && ABL="ttt5 lk l2 v32k"; [ "$ABL" = 0 ] && ABL=
-for abl in $ABL; do case $abl in ttt5|lk|l2|lr2|v32k) ;; *) echo "ABL: unknown ablation $abl (ttt5 lk l2 lr2 v32k)"; exit 2 ;; esac; done
+abl_flags() {  # NAME[+NAME...] -> its 04 flags over the config
+  local part
+  for part in ${1//+/ }; do
+    case $part in
+      ttt5) echo --ttt-steps 5 ;; lk) echo --loss lk_hybrid ;; l2) echo --draft-layers 2 ;; lr2) echo --lr 2e-3 ;;
+      v32k) echo --vocab-mapping-dir $W/v32k ;;
+      *) echo "ABL: unknown ablation $part in $1 (ttt5 lk l2 lr2 v32k, joined by +)" >&2; return 2 ;;
+    esac
+  done
+}
+for abl in $ABL; do abl_flags $abl > /dev/null || exit 2; done
 mkdir -p "$W/logs" "$W/results" "$W/slim"
 say() { echo "$(date +%T) $*"; }
 ranges() { for k in $(seq 0 $(($2 - 1))); do echo "$(($1 * k / $2))-$(($1 * (k + 1) / $2))"; done; }
@@ -31,7 +43,9 @@ T0=$(date +%s)
 
 train() {  # NAME FLAGS...: 04 on the config, its best checkpoint slimmed into the results
   local name=$1; shift
-  $PY 04_train.py --config $CFG --output-dir $W/out_$name --epochs $EPOCHS "$@" > $W/logs/04_$name.out 2>&1
+  $PY 04_train.py --config $CFG --output-dir $W/out_$name --epochs $EPOCHS --compile-wait "$@" > $W/logs/04_$name.out 2>&1 || {
+    say "04 $name failed: $(grep -h -m1 'Error' $W/logs/04_$name.out); rerunning with --resume"
+    $PY 04_train.py --config $CFG --output-dir $W/out_$name --epochs $EPOCHS --compile-wait "$@" --resume >> $W/logs/04_$name.out 2>&1; }
   $PY recipes/slim_checkpoint.py strip $W/out_$name/checkpoints/best $W/slim/$name \
     && cp $W/out_$name/checkpoints/best/run.json $W/slim/$name/ && tar -C $W/slim -cf $W/results/$name.tar $name
   say "04 $name: $(tail -1 $W/logs/04_$name.out)"
@@ -69,21 +83,16 @@ for r in $(ranges $N $SHARDS); do
   $PY 01_prepare_dataset.py --config $CFG --data-dir $W/orig --rows $r --regenerate none > $W/logs/01_orig_$r.out 2>&1 & orig+=($!)
 done
 wait "${orig[@]}"; say "01 orig done"
-$PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig > $W/logs/02_orig.out 2>&1
+# 02 counts tokens on the CPU while 03 holds the GPU (03 does not read the mapping)
+( $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig > $W/logs/02_orig.out 2>&1 ) & maps=($!)
+case " $ABL" in *v32k*) ( $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig --draft-vocab-size 32768 \
+  --output-dir $W/v32k > $W/logs/02_v32k.out 2>&1 ) & maps+=($!) ;; esac
 [ -n "${long[*]}" ] && { wait "${long[@]}"; T0=$(date +%s); }  # the curve's timings want the GPU alone
 $PY 03_extract_hidden_states.py --config $CFG --data-dir $W/orig > $W/logs/03_orig.out 2>&1
 say "03 orig: $(tail -1 $W/logs/03_orig.out); disk $(df -h $W | tail -1)"
+wait "${maps[@]}"; say "02 done"
 [ "$A" = 1 ] && train a --data-dir $W/orig &
-for abl in $ABL; do
-  case $abl in
-    ttt5) train ttt5 --data-dir $W/orig --ttt-steps 5 & ;;
-    lk) train lk --data-dir $W/orig --loss lk_hybrid & ;;
-    l2) train l2 --data-dir $W/orig --draft-layers 2 & ;;
-    lr2) train lr2 --data-dir $W/orig --lr 2e-3 & ;;
-    v32k) $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig --draft-vocab-size 32768 --output-dir $W/v32k \
-            > $W/logs/02_v32k.out 2>&1 && train v32k --data-dir $W/orig --vocab-mapping-dir $W/v32k & ;;
-  esac
-done
+for abl in $ABL; do train $abl --data-dir $W/orig $(abl_flags $abl) & done
 
 wait $regen; say "regeneration done"
 CDATA=$W/orig
