@@ -84,7 +84,8 @@ for r in $(ranges $N $SHARDS); do
 done
 wait "${orig[@]}"; say "01 orig done"
 # 02 counts tokens on the CPU while 03 holds the GPU (03 does not read the mapping)
-( $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig > $W/logs/02_orig.out 2>&1 ) & maps=($!)
+maps=(); need16=$A; for abl in $ABL; do case $abl in *v32k*) ;; *) need16=1 ;; esac; done  # the 16K map only if used
+[ "$need16" = 1 ] && { ( $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig > $W/logs/02_orig.out 2>&1 ) & maps+=($!); }
 case " $ABL" in *v32k*) ( $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig --draft-vocab-size 32768 \
   --output-dir $W/v32k > $W/logs/02_v32k.out 2>&1 ) & maps+=($!) ;; esac
 [ -n "${long[*]}" ] && { wait "${long[@]}"; T0=$(date +%s); }  # the curve's timings want the GPU alone
