@@ -15,7 +15,8 @@
 #          vocabulary), lr2 (--lr 2e-3), or several joined by + (l2+v32k); ABL=1 is "ttt5 lk l2 v32k". Four or
 #          five trainings at once on one GPU have died with 'unspecified launch failure' (twice, each soon after
 #          the background compile swapped in; not seen alone): keep it to three. Every training here compiles
-#          before its first step (--compile-wait) and, if it fails, is rerun once with --resume.
+#          before its first step (--compile-wait), checkpoints every 3,000 steps and, if it fails, is
+#          rerun with --resume (three tries).
 #   LONG=1 first runs the long-context curve (bench/bench_train.py, 8B-shaped draft at $LONG_LENS-token packs,
 #          sdpa's dense TTT mask against flex attention's block mask) alone on the GPU, into logs/long.out,
 #          while 01 prepares the rows on the CPU.
@@ -43,9 +44,12 @@ T0=$(date +%s)
 
 train() {  # NAME FLAGS...: 04 on the config, its best checkpoint slimmed into the results
   local name=$1; shift
-  $PY 04_train.py --config $CFG --output-dir $W/out_$name --epochs $EPOCHS --compile-wait "$@" > $W/logs/04_$name.out 2>&1 || {
-    say "04 $name failed: $(grep -h -m1 'Error' $W/logs/04_$name.out); rerunning with --resume"
-    $PY 04_train.py --config $CFG --output-dir $W/out_$name --epochs $EPOCHS --compile-wait "$@" --resume >> $W/logs/04_$name.out 2>&1; }
+  local try resume=
+  for try in 1 2 3; do  # checkpoints every 3,000 steps, so a rerun after a crash continues rather than restarts
+    $PY 04_train.py --config $CFG --output-dir $W/out_$name --epochs $EPOCHS --compile-wait --save-every 3000 "$@" $resume \
+      >> $W/logs/04_$name.out 2>&1 && break
+    say "04 $name failed (try $try): $(grep -h 'Error' $W/logs/04_$name.out | tail -1)"; resume=--resume
+  done
   $PY recipes/slim_checkpoint.py strip $W/out_$name/checkpoints/best $W/slim/$name \
     && cp $W/out_$name/checkpoints/best/run.json $W/slim/$name/ && tar -C $W/slim -cf $W/results/$name.tar $name
   say "04 $name: $(tail -1 $W/logs/04_$name.out)"
