@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU part of the full-size runs in docs/quality.md, on one H200, from the repository root with the
 # pipeline's packages importable. ShareGPT's held-out split (every 50th conversation) is never prepared.
+# With no variables set: the full-size recipe, run a on all usable conversations (N=17671); the side-by-side
+# runs of docs/quality.md set REGEN_S (regeneration) and C=1 (speculators' trainer), as their sections say.
 #   orig:  conversations 0-$N of the shuffled list with their original replies ($SHARDS --rows shards),
 #          fp8 states; run a trains on them at once (A=1; A=0 skips it), while the verifier regenerates:
 #   regen: with REGEN_S > 0, the same list from conversation 0 in shards of $RSHARD up to $NREGEN, every
@@ -11,19 +13,20 @@
 #          D (ours on orig + regen: every conversation twice, once with each reply), all $EPOCHS epochs;
 #          without regenerated data, C trains on orig (the 2026-12-03 runs a and c).
 #   ABL="NAME ...": beside run a, ablations of docs/quality.md on the same rows, each one flag over the config:
-#          ttt5 (--ttt-steps 5), lk (--loss lk_hybrid), l2 (--draft-layers 2), v32k (a 32,768-token draft
-#          vocabulary), lr2 (--lr 2e-3), or several joined by + (l2+v32k); ABL=1 is "ttt5 lk l2 v32k". Four or
-#          five trainings at once on one GPU have died with 'unspecified launch failure' (twice, each soon after
-#          the background compile swapped in; not seen alone): keep it to three. Every training here compiles
-#          before its first step (--compile-wait), checkpoints every 3,000 steps and, if it fails, is
-#          rerun with --resume (three tries).
+#          ttt5 (--ttt-steps 5), lk (--loss lk_hybrid), l2 (--draft-layers 2), lr2 (--lr 2e-3), v32k (a
+#          32,768-token draft vocabulary, the config's own since 2026-12-04), v16k (16,384, the one before), or
+#          several joined by + (l2+v16k); ABL=1 is "ttt5 lk l2 v32k". Trainings started several at once on the
+#          one GPU have died with 'unspecified launch failure' (seven crashes in three runs, at random steps, also
+#          with --compile-wait; never a run alone): keep it to three. Every training here compiles before its
+#          first step (--compile-wait), checkpoints every 3,000 steps and, if it fails, is rerun with --resume
+#          (three tries).
 #   LONG=1 first runs the long-context curve (bench/bench_train.py, 8B-shaped draft at $LONG_LENS-token packs,
 #          sdpa's dense TTT mask against flex attention's block mask) alone on the GPU, into logs/long.out,
 #          while 01 prepares the rows on the CPU.
 # Each best checkpoint is slimmed (recipes/slim_checkpoint.py) into $W/results/NAME.tar; logs into logs.tgz.
 set -uo pipefail
-W=${W:-/tmp/e3}; N=${N:-12000}; SHARDS=${SHARDS:-8}; RSHARD=${RSHARD:-2000}; REGEN_S=${REGEN_S:-300}
-NREGEN=${NREGEN:-4000}; EPOCHS=${EPOCHS:-3}; PY=${PY:-python3}; CFG=${CFG:-configs/full-size.yaml}; C=${C:-1}
+W=${W:-/tmp/e3}; N=${N:-17671}; SHARDS=${SHARDS:-8}; RSHARD=${RSHARD:-2000}; REGEN_S=${REGEN_S:-0}
+NREGEN=${NREGEN:-4000}; EPOCHS=${EPOCHS:-3}; PY=${PY:-python3}; CFG=${CFG:-configs/full-size.yaml}; C=${C:-0}
 A=${A:-1}; BENCH=${BENCH:-0}; ABL=${ABL:-}; LONG=${LONG:-0}; LONG_LENS=${LONG_LENS:-32768 16384 8192}
 [ "$ABL" = 1 ] && ABL="ttt5 lk l2 v32k"; [ "$ABL" = 0 ] && ABL=
 abl_flags() {  # NAME[+NAME...] -> its 04 flags over the config
@@ -31,8 +34,8 @@ abl_flags() {  # NAME[+NAME...] -> its 04 flags over the config
   for part in ${1//+/ }; do
     case $part in
       ttt5) echo --ttt-steps 5 ;; lk) echo --loss lk_hybrid ;; l2) echo --draft-layers 2 ;; lr2) echo --lr 2e-3 ;;
-      v32k) echo --vocab-mapping-dir $W/v32k ;;
-      *) echo "ABL: unknown ablation $part in $1 (ttt5 lk l2 lr2 v32k, joined by +)" >&2; return 2 ;;
+      v32k) echo --vocab-mapping-dir $W/v32k ;; v16k) echo --vocab-mapping-dir $W/v16k ;;
+      *) echo "ABL: unknown ablation $part in $1 (ttt5 lk l2 lr2 v32k v16k, joined by +)" >&2; return 2 ;;
     esac
   done
 }
@@ -88,10 +91,10 @@ for r in $(ranges $N $SHARDS); do
 done
 wait "${orig[@]}"; say "01 orig done"
 # 02 counts tokens on the CPU while 03 holds the GPU (03 does not read the mapping)
-maps=(); need16=$A; for abl in $ABL; do case $abl in *v32k*) ;; *) need16=1 ;; esac; done  # the 16K map only if used
-[ "$need16" = 1 ] && { ( $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig > $W/logs/02_orig.out 2>&1 ) & maps+=($!); }
-case " $ABL" in *v32k*) ( $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig --draft-vocab-size 32768 \
-  --output-dir $W/v32k > $W/logs/02_v32k.out 2>&1 ) & maps+=($!) ;; esac
+maps=(); need=$A; for abl in $ABL; do case $abl in *v32k*|*v16k*) ;; *) need=1 ;; esac; done  # the config's map only if used
+[ "$need" = 1 ] && { ( $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig > $W/logs/02_orig.out 2>&1 ) & maps+=($!); }
+for v in 32 16; do case " $ABL" in *v${v}k*) ( $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig \
+  --draft-vocab-size $((v * 1024)) --output-dir $W/v${v}k > $W/logs/02_v${v}k.out 2>&1 ) & maps+=($!) ;; esac; done
 [ -n "${long[*]}" ] && { wait "${long[@]}"; T0=$(date +%s); }  # the curve's timings want the GPU alone
 $PY 03_extract_hidden_states.py --config $CFG --data-dir $W/orig > $W/logs/03_orig.out 2>&1
 say "03 orig: $(tail -1 $W/logs/03_orig.out); disk $(df -h $W | tail -1)"
@@ -112,7 +115,8 @@ fi
 if [ "$C" = 1 ]; then
   $PY export_speculators_data.py --data-dir $CDATA > $W/logs/export.out 2>&1
   V=$($PY -c "from common.verifier import ensure_default_verifier as e; print(e())")
-  ( $PY -m speculators.train --verifier-name-or-path $V --data-path $CDATA/speculators --draft-vocab-size 16384 \
+  VOCAB=$($PY -c "import yaml; print(yaml.safe_load(open('$CFG'))['vocab']['draft_vocab_size'])")
+  ( $PY -m speculators.train --verifier-name-or-path $V --data-path $CDATA/speculators --draft-vocab-size $VOCAB \
       --hidden-states-backend fp8 --save-path $W/out_c --epochs $EPOCHS --loss-implementation eager > $W/logs/04_c.out 2>&1
     last=$W/out_c/checkpoint_best; [ -e $last ] || last=$(ls -d $W/out_c/[0-9]*/ | sort -V | tail -1)
     $PY recipes/slim_checkpoint.py strip $last $W/slim/c && tar -C $W/slim -cf $W/results/c.tar c
