@@ -44,6 +44,9 @@ def build_parser():
     p.add_argument("--draft-layers", type=int, default=1,
                    help="decoder layers in the draft (the first reads the token embedding and fc output, as vLLM's "
                         "eagle3 drafts do; more layers cost proportionally more per drafted token at serving)")
+    p.add_argument("--draft-intermediate-size", type=int,
+                   help="width of the draft layers' MLP (default: the verifier's); the draft's hidden size is the "
+                        "verifier's, so this is where it can grow (vLLM serves any width)")
     p.add_argument("--ttt-steps", type=int, default=3, help="test-time-training unroll: draft positions trained")
     p.add_argument("--ttt-loss-decay", type=float, default=1.0, help="loss weight multiplier per TTT step")
     p.add_argument("--noise-std", type=float, default=0.0, help="Gaussian noise on input hidden states (train only)")
@@ -99,8 +102,9 @@ def run(args):
         return f"wrote {plot_training(metrics, os.path.join(args.output_dir, 'training.png'))}"
     for flag, value, low in [("--epochs", args.epochs, 1), ("--max-seq-len", args.max_seq_len, 2),
                              ("--ttt-steps", args.ttt_steps, 1), ("--grad-accum", args.grad_accum, 1),
-                             ("--draft-layers", args.draft_layers, 1)]:
-        if value < low:
+                             ("--draft-layers", args.draft_layers, 1),
+                             ("--draft-intermediate-size", args.draft_intermediate_size, 1)]:
+        if value is not None and value < low:
             raise UserError(f"{flag} {value}: must be at least {low}")
     if args.max_steps is not None and args.max_steps < 1:
         raise UserError(f"--max-steps {args.max_steps}: must be at least 1 (leave it out to train --epochs)")

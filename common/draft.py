@@ -52,7 +52,7 @@ def torch_without_graph_break():
 
 def build_draft(verifier: str, aux_layers: list[int], vocab_dir: str, ttt_steps: int, attn_impl: str,
                 trust_remote_code: bool = False, num_layers: int = 1, device="cpu", norm_before_fc: bool = False,
-                norm_output: bool = False):
+                norm_output: bool = False, intermediate_size: int | None = None):
     """A fresh draft whose frozen embedding, final norm and lm_head come from the verifier's shards.
 
     Built on `device` directly: initialising an 8B verifier's embedding and heads on the host
@@ -62,6 +62,7 @@ def build_draft(verifier: str, aux_layers: list[int], vocab_dir: str, ttt_steps:
     builds the same config through the pieces that take it, so Kimi-style verifiers work too.
     `norm_before_fc` and `norm_output` are speculators' Eagle-3.1 options (an RMSNorm over the
     concatenated aux states before fc; the normed output fed back across TTT steps); vLLM serves both.
+    `intermediate_size` widens the layers' MLP beyond the verifier's (None: the verifier's).
     """
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.model import DraftVocabMixin
@@ -73,6 +74,8 @@ def build_draft(verifier: str, aux_layers: list[int], vocab_dir: str, ttt_steps:
         verifier_name_or_path=verifier, num_layers=num_layers, draft_arch="llama", hidden_act=None,
         sliding_window=0, full_attention_indices=list(range(num_layers)), trust_remote_code=trust_remote_code)
     layer_config._attn_implementation = attn_impl  # noqa: SLF001 - how speculators selects it
+    if intermediate_size is not None:
+        layer_config.intermediate_size = intermediate_size
     t2d = torch.from_numpy(np.load(os.path.join(vocab_dir, "t2d.npy")))
     d2t = torch.from_numpy(np.load(os.path.join(vocab_dir, "d2t.npy")))
     if t2d.numel() != layer_config.vocab_size:

@@ -131,7 +131,8 @@ def run_fingerprint(args, aux, verifier_hash, draft_vocab) -> str:
     return sha256_json({"verifier": verifier_hash, "aux": aux, "draft_vocab": draft_vocab, "ttt": args.ttt_steps,
                         "max_seq_len": args.max_seq_len, "val_ratio": args.val_ratio, "seed": args.seed,
                         "norms": [args.norm_before_fc, args.norm_output], "optimizer": args.optimizer,
-                        **({"layers": args.draft_layers} if args.draft_layers != 1 else {})})  # old runs stay resumable
+                        **({"layers": args.draft_layers} if args.draft_layers != 1 else {}),  # old runs stay resumable
+                        **({"mlp": args.draft_intermediate_size} if args.draft_intermediate_size is not None else {})})
 
 
 @dataclass
@@ -257,7 +258,8 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         maybe_warm_pool()
     t_build = time.time()
     model = build_draft(verifier, aux, args.vocab_mapping_dir, args.ttt_steps, attn, args.trust_remote_code, device=device,
-                        norm_before_fc=args.norm_before_fc, norm_output=args.norm_output, num_layers=args.draft_layers)
+                        norm_before_fc=args.norm_before_fc, norm_output=args.norm_output, num_layers=args.draft_layers,
+                        intermediate_size=args.draft_intermediate_size)
     if args.dtype == "bfloat16":  # frozen verifier pieces in bf16 once, rather than an autocast copy of them every step
         for frozen in (model.embed_tokens, model.lm_head, model.verifier_lm_head, model.verifier_norm):
             frozen.to(torch.bfloat16)
@@ -287,7 +289,8 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         ckpt = torch.load(os.path.join(latest, "training_state.pt"), map_location="cpu", weights_only=False)
         if ckpt["fingerprint"] != fingerprint:
             raise UserError(f"{os.path.realpath(latest)} was trained with another verifier, layers, vocab, "
-                            "--ttt-steps, --max-seq-len, --val-ratio, --seed, norms, --optimizer or --draft-layers; use a new --output-dir")
+                            "--ttt-steps, --max-seq-len, --val-ratio, --seed, norms, --optimizer, --draft-layers or --draft-intermediate-size; "
+                            "use a new --output-dir")
         model.load_state_dict(ckpt["model"], strict=False)
         optimizer.load_state_dict(ckpt["optimizer"])
         pos = Position(**{k: ckpt[k] for k in asdict(pos)})

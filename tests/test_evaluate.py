@@ -11,10 +11,12 @@ EVAL_ARGS = ["--num-prompts", 6, "--max-new-tokens", 48, "--max-turns", 2, "--ma
 @pytest.fixture(scope="module")
 def random_draft(tmp_path_factory, verifier, data_dir):
     """An untrained draft of the right shape (its embedding and lm_head are the verifier's), with two
-    decoder layers: vLLM must load and run what `04 --draft-layers 2` writes."""
+    decoder layers and a wider MLP than the verifier's: vLLM must load and run what `04 --draft-layers 2
+    --draft-intermediate-size 2048` writes."""
     from common.draft import build_draft, save_servable
     folder = tmp_path_factory.mktemp("drafts") / "random_draft"
-    save_servable(build_draft(verifier, [2, 15, 27], str(data_dir / "vocab_mapping"), 3, "sdpa", num_layers=2), str(folder))
+    save_servable(build_draft(verifier, [2, 15, 27], str(data_dir / "vocab_mapping"), 3, "sdpa", num_layers=2,
+                              intermediate_size=2048), str(folder))
     return folder
 
 

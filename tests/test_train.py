@@ -244,17 +244,19 @@ def test_a_pack_cut_in_parts_gives_its_loss(data_dir, hs_dir, verifier):
     assert len(split_pack(one, 4)) == 1  # one conversation cannot be cut
 
 
-def test_muon_trains_a_two_layer_draft_with_its_two_optimizers(tmp_path, data_dir):
+def test_muon_trains_a_two_layer_wider_draft_with_its_two_optimizers(tmp_path, data_dir):
     from common.draft import load_draft
     out = tmp_path / "muon"
     stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--optimizer", "muon", "--max-steps", 8,
           "--lr", 2e-3, "--warmup-steps", 2, "--log-every", 2, "--num-workers", 1, "--max-seq-len", 1024,
-          "--draft-layers", 2)
+          "--draft-layers", 2, "--draft-intermediate-size", 2048)
     state = torch.load(out / "checkpoints" / "latest" / "training_state.pt", weights_only=False)
     assert len(state["optimizer"]) == 2  # Muon over fc and the layers' matrices, AdamW over the norms
     assert len(state["optimizer"][0]["param_groups"][0]["params"]) >= 15  # fc + 7 matrices a layer
     assert read_json(out / "checkpoints" / "latest" / "config.json")["transformer_layer_config"]["num_hidden_layers"] == 2
-    assert len(load_draft(str(out / "checkpoints" / "latest")).layers) == 2
+    draft = load_draft(str(out / "checkpoints" / "latest"))
+    assert len(draft.layers) == 2  # SmolLM2's MLP is 1,536 wide; the draft's is what the flag says
+    assert all(layer.mlp.up_proj.weight.shape == (2048, 576) for layer in draft.layers)
     train = records(out, "train")
     assert train[-1]["loss"] < train[0]["loss"]
 
@@ -291,6 +293,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, data_dir, hs_dir, other_verif
         (["--data-dir", data_dir, "--loss", "nonsense"], "unknown loss function"),
         (["--data-dir", data_dir, "--attn-impl", "simple_flex_attention"], "trains only on a GPU"),
         (["--data-dir", data_dir, "--draft-layers", 0], "--draft-layers 0: must be at least 1"),
+        (["--data-dir", data_dir, "--draft-intermediate-size", 0], "--draft-intermediate-size 0: must be at least 1"),
     ]
     for args, words in cases:
         assert_user_error(stage("04_train.py", *common, *args, check=False), words)
