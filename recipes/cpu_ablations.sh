@@ -17,3 +17,13 @@ $PY 05_evaluate.py --config $C --data-dir $D --draft-path runs/demo400/out/check
   --compare $O/ttt5/checkpoints/best $O/lk/checkpoints/best $O/l2/checkpoints/best $O/v16k/checkpoints/best \
   --output-dir $O/eval --num-prompts 24 > $O/eval.log 2>&1
 echo "$(date +%T) eval rc $?: $(tail -1 $O/eval.log | cut -c1-300)"
+# second part (2026-12-04, later): noise and the schedule, float32 as the runs above
+O2=runs/abl2; mkdir -p $O2
+t2() { n=$1; shift; $PY 04_train.py --config $C --data-dir $D --output-dir $O2/$n --dtype float32 "$@" > $O2/$n.log 2>&1; echo "$(date +%T) $n rc $?"; }
+t2 noise05 --noise-std 0.05
+t2 noise2 --noise-std 0.2
+t2 linear --scheduler linear
+$PY 05_evaluate.py --config $C --data-dir $D --draft-path runs/demo400/out/checkpoints/best \
+  --compare $O2/noise05/checkpoints/best $O2/noise2/checkpoints/best $O2/linear/checkpoints/best \
+  --output-dir $O2/eval --num-prompts 24 --max-new-tokens 96 > $O2/eval.log 2>&1
+echo "$(date +%T) eval rc $?: $(tail -1 $O2/eval.log | cut -c1-300)"
