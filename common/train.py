@@ -288,9 +288,9 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     if args.resume and os.path.exists(latest):
         ckpt = torch.load(os.path.join(latest, "training_state.pt"), map_location="cpu", weights_only=False)
         if ckpt["fingerprint"] != fingerprint:
-            raise UserError(f"{os.path.realpath(latest)} was trained with another verifier, layers, vocab, "
-                            "--ttt-steps, --max-seq-len, --val-ratio, --seed, norms, --optimizer, --draft-layers or --draft-intermediate-size; "
-                            "use a new --output-dir")
+            raise UserError(f"{os.path.realpath(latest)} was trained with another verifier, layers, vocab, --ttt-steps, "
+                            "--max-seq-len, --val-ratio, --seed, norms, --optimizer, --draft-layers or "
+                            "--draft-intermediate-size; use a new --output-dir")
         model.load_state_dict(ckpt["model"], strict=False)
         optimizer.load_state_dict(ckpt["optimizer"])
         pos = Position(**{k: ckpt[k] for k in asdict(pos)})

@@ -16,7 +16,7 @@
 #          ttt5 (--ttt-steps 5), lk (--loss lk_hybrid), l2 (--draft-layers 2), w4 (--draft-intermediate-size
 #          6144, 4x the verifier's MLP), lr2 (--lr 2e-3), v32k (a 32,768-token draft vocabulary, the config's own
 #          since 2026-12-04), v16k (16,384, the one before), or several joined by + (l2+v16k); ABL=1 is
-#          "ttt5 lk l2 v32k". Trainings started several at once on the
+#          "ttt5 lk l2 w4". Trainings started several at once on the
 #          one GPU have died with 'unspecified launch failure' (seven crashes in three runs, at random steps, also
 #          with --compile-wait; never a run alone): keep it to three. Every training here compiles before its
 #          first step (--compile-wait), checkpoints every 3,000 steps and, if it fails, is rerun with --resume
@@ -29,7 +29,7 @@ set -uo pipefail
 W=${W:-/tmp/e3}; N=${N:-17671}; SHARDS=${SHARDS:-8}; RSHARD=${RSHARD:-2000}; REGEN_S=${REGEN_S:-0}
 NREGEN=${NREGEN:-4000}; EPOCHS=${EPOCHS:-3}; PY=${PY:-python3}; CFG=${CFG:-configs/full-size.yaml}; C=${C:-0}
 A=${A:-1}; BENCH=${BENCH:-0}; ABL=${ABL:-}; LONG=${LONG:-0}; LONG_LENS=${LONG_LENS:-32768 16384 8192}
-[ "$ABL" = 1 ] && ABL="ttt5 lk l2 v32k"; [ "$ABL" = 0 ] && ABL=
+[ "$ABL" = 1 ] && ABL="ttt5 lk l2 w4"; [ "$ABL" = 0 ] && ABL=
 abl_flags() {  # NAME[+NAME...] -> its 04 flags over the config
   local part
   for part in ${1//+/ }; do
@@ -93,14 +93,15 @@ for r in $(ranges $N $SHARDS); do
 done
 wait "${orig[@]}"; say "01 orig done"
 # 02 counts tokens on the CPU while 03 holds the GPU (03 does not read the mapping)
-maps=(); need=$A; for abl in $ABL; do case $abl in *v32k*|*v16k*) ;; *) need=1 ;; esac; done  # the config's map only if used
+maps=(); need=$A; [ "$REGEN_S" -gt 0 ] && need=1  # the config's map only if a run uses it (d does)
+for abl in $ABL; do case $abl in *v32k*|*v16k*) ;; *) need=1 ;; esac; done
 [ "$need" = 1 ] && { ( $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig > $W/logs/02_orig.out 2>&1 ) & maps+=($!); }
 for v in 32 16; do case " $ABL" in *v${v}k*) ( $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig \
   --draft-vocab-size $((v * 1024)) --output-dir $W/v${v}k > $W/logs/02_v${v}k.out 2>&1 ) & maps+=($!) ;; esac; done
 [ -n "${long[*]}" ] && { wait "${long[@]}"; T0=$(date +%s); }  # the curve's timings want the GPU alone
 $PY 03_extract_hidden_states.py --config $CFG --data-dir $W/orig > $W/logs/03_orig.out 2>&1
 say "03 orig: $(tail -1 $W/logs/03_orig.out); disk $(df -h $W | tail -1)"
-wait "${maps[@]}"; say "02 done"
+[ ${#maps[@]} -gt 0 ] && wait "${maps[@]}"; say "02 done"  # a bare wait would also wait for the regeneration
 [ "$A" = 1 ] && train a --data-dir $W/orig &
 for abl in $ABL; do train $abl --data-dir $W/orig $(abl_flags $abl) & done
 
