@@ -116,9 +116,10 @@ def run(args):
             lambda ids: sim.plain(ids, args.max_new_tokens, eos), tokenizer, prompts, args)
     report["baseline_tokens_per_s"] = base_tokens / base_time
     for name, path in drafts.items():
+        per_conversation = [[0, 0] for _ in prompts]  # verify steps, accepted draft tokens
         if args.backend == "vllm":
             llm = ev.vllm_engine(verifier, args, draft=path)
-            answers, wall, tokens = ev.generate_vllm(llm, tokenizer, prompts, args)
+            answers, wall, tokens = ev.generate_vllm(llm, tokenizer, prompts, args, per_conversation)
             stats = ev.spec_counters(llm)
             del llm
             gc.collect()
@@ -127,9 +128,13 @@ def run(args):
             stats = ev.new_stats(args.num_speculative_tokens)
             answers, wall, tokens = ev.answer_one_by_one(
                 lambda ids: sim.generate(ids, args.max_new_tokens, args.num_speculative_tokens, eos, stats),
-                tokenizer, prompts, args)
+                tokenizer, prompts, args, stats, per_conversation)
         result = ev.acceptance(stats)
         result.update(tokens_per_s=tokens / wall, generated_tokens=tokens, path=path)
+        if [sum(c) for c in zip(*per_conversation)] == [stats["drafts"], stats["accepted"]]:
+            result["per_conversation"] = per_conversation  # what the 95% intervals are drawn from
+        else:
+            log.warning(f"{name}: per-conversation counts do not add up to the engine's totals; no intervals")
         if args.temperature == 0:
             mismatched = sum(a != b for conv_a, conv_b in zip(answers, base) for a, b in zip(conv_a, conv_b))
             result["lossless"] = mismatched == 0
@@ -141,6 +146,7 @@ def run(args):
         report["drafts"][name] = result
         log.info(f"{name}: mean acceptance length {result['mean_acceptance_length']:.3f}, per position "
                  f"{[round(x, 3) for x in result['acceptance_rate_per_pos']]}")
+    ev.add_intervals(report["drafts"], args.seed)
     table = ev.save_report(ev.json_safe(report), os.path.join(args.output_dir, "eval"))
     for line in table.splitlines():
         log.info(line)

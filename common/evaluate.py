@@ -8,6 +8,7 @@ import os
 import random
 import time
 
+import numpy as np
 import torch
 
 from common.cli import UserError
@@ -75,7 +76,9 @@ def vllm_engine(verifier: str, args, draft: str | None = None):
     spec = None if draft is None else {"method": "eagle3", "model": draft,
                                        "num_speculative_tokens": args.num_speculative_tokens}
     # text prompts only: a multimodal wrapper (Kimi-K2.5) runs without building its vision tower
-    return LLM(model=verifier, speculative_config=spec, disable_log_stats=False, enforce_eager=True,
+    # per-request counts (summary: a histogram of accepted tokens per verify step) give each conversation's figures
+    per_request = {} if draft is None else {"per_request_spec_decode_metrics": "summary"}
+    return LLM(model=verifier, speculative_config=spec, disable_log_stats=False, enforce_eager=True, **per_request,
                max_model_len=args.max_model_len, dtype=args.dtype, seed=args.seed,
                trust_remote_code=args.trust_remote_code, enable_prefix_caching=False,
                tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -97,9 +100,10 @@ def spec_counters(llm) -> dict:
     return out
 
 
-def generate_vllm(llm, tokenizer, prompts, args) -> tuple[list[list[list[int]]], float, int]:
+def generate_vllm(llm, tokenizer, prompts, args, per_conversation=None) -> tuple[list[list[list[int]]], float, int]:
     """Answer every conversation turn by turn (all conversations batched per turn); returns the
-    token ids of each answer, the wall time and the tokens generated."""
+    token ids of each answer, the wall time and the tokens generated. With speculation, adds each
+    conversation's verify steps and accepted draft tokens into `per_conversation` ([steps, accepted] each)."""
     from vllm import SamplingParams, TokensPrompt
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     histories = [[] for _ in prompts]
@@ -114,6 +118,10 @@ def generate_vllm(llm, tokenizer, prompts, args) -> tuple[list[list[list[int]]],
         for i, out in zip(active, llm.generate(inputs, params, use_tqdm=False)):
             ids = list(out.outputs[0].token_ids)
             generated += len(ids)
+            spec = out.outputs[0].spec_decode_metrics
+            if per_conversation is not None and spec is not None:
+                per_conversation[i][0] += sum(spec.histogram)
+                per_conversation[i][1] += sum(j * c for j, c in enumerate(spec.histogram))
             answers[i].append(ids)
             histories[i].append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
     return answers, time.time() - start, generated
@@ -236,10 +244,12 @@ def crop(cache, length: int) -> None:
         cache.crop(-extra)
 
 
-def answer_one_by_one(generate, tokenizer, prompts, args) -> tuple[list, float, int]:
-    """Answer each conversation turn by turn with generate(prompt_ids) -> answer ids."""
+def answer_one_by_one(generate, tokenizer, prompts, args, stats=None, per_conversation=None) -> tuple[list, float, int]:
+    """Answer each conversation turn by turn with generate(prompt_ids) -> answer ids; with the `stats` that
+    generate adds to, each conversation's verify steps and accepted draft tokens go into `per_conversation`."""
     answers, start, generated = [], time.time(), 0
-    for turns in prompts:
+    for i, turns in enumerate(prompts):
+        before = (stats["drafts"], stats["accepted"]) if stats is not None else None
         history, conv = [], []
         for turn in turns:
             history.append({"role": "user", "content": turn})
@@ -248,6 +258,8 @@ def answer_one_by_one(generate, tokenizer, prompts, args) -> tuple[list, float, 
             conv.append(ids)
             history.append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
         answers.append(conv)
+        if before is not None and per_conversation is not None:
+            per_conversation[i] = [stats["drafts"] - before[0], stats["accepted"] - before[1]]
     return answers, time.time() - start, generated
 
 
@@ -264,15 +276,46 @@ def acceptance(stats: dict) -> dict:
             "drafts": stats["drafts"], "draft_tokens": stats["draft_tokens"], "accepted_tokens": stats["accepted"]}
 
 
+BOOTSTRAP = 2000  # resamples of the conversations
+
+
+def bootstrap_interval(per_conversation: list, other: list | None = None, seed: int = 0) -> list[float]:
+    """95% interval of the acceptance length (1 + accepted / verify steps) over conversations drawn with
+    replacement, or, with `other` (the same conversations under another draft), of the difference between
+    the two: paired, so what the conversations share cancels."""
+    counts = np.asarray(per_conversation, dtype=float)
+    index = np.random.default_rng(seed).integers(0, len(counts), size=(BOOTSTRAP, len(counts)))
+
+    def length(c):
+        return 1 + c[index, 1].sum(1) / np.maximum(c[index, 0].sum(1), 1)
+    values = length(counts) - (length(np.asarray(other, dtype=float)) if other is not None else 0)
+    return [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))]
+
+
+def add_intervals(drafts: dict, seed: int) -> None:
+    """Each draft's 95% interval, and every draft's difference to the first, when per-conversation counts exist."""
+    first = next(iter(drafts.values()))
+    for r in drafts.values():
+        if not r.get("per_conversation") or len(r["per_conversation"]) < 2:
+            continue
+        r["interval_95"] = bootstrap_interval(r["per_conversation"], seed=seed)
+        if r is not first and first.get("per_conversation"):
+            r["vs_first"] = {"difference": r["mean_acceptance_length"] - first["mean_acceptance_length"],
+                             "interval_95": bootstrap_interval(r["per_conversation"], first["per_conversation"], seed)}
+
+
 def markdown_table(report: dict) -> str:
     k = report["num_speculative_tokens"]
-    head = ("| draft | acceptance length | " + " | ".join(f"pos {p + 1}" for p in range(k))
+    head = ("| draft | acceptance length | 95% interval | vs the first draft | " + " | ".join(f"pos {p + 1}" for p in range(k))
             + " | drafts | accepted | tok/s spec | tok/s base | speedup | lossless |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     base = report["baseline_tokens_per_s"]
     for name, r in report["drafts"].items():
         rates = " | ".join(f"{x:.3f}" for x in r["acceptance_rate_per_pos"])
-        lines.append(f"| {name} | {r['mean_acceptance_length']:.3f} | {rates} | {r['drafts']} | {r['accepted_tokens']} | "
+        interval = "{:.3f}-{:.3f}".format(*r["interval_95"]) if "interval_95" in r else "-"
+        vs = r.get("vs_first")
+        vs = f"{vs['difference']:+.3f} ({vs['interval_95'][0]:+.3f} to {vs['interval_95'][1]:+.3f})" if vs else "-"
+        lines.append(f"| {name} | {r['mean_acceptance_length']:.3f} | {interval} | {vs} | {rates} | {r['drafts']} | {r['accepted_tokens']} | "
                      f"{r['tokens_per_s']:.1f} | {base:.1f} | {r['tokens_per_s'] / base:.2f}x | {r['lossless']} |")
     return "\n".join(lines)
 

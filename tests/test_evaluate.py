@@ -47,6 +47,14 @@ def test_trained_draft_beats_random_and_decoding_is_lossless(vllm_report):
         rates = r["acceptance_rate_per_pos"]
         assert all(a >= b for a, b in zip(rates, rates[1:]))  # a later position is accepted only after earlier ones
         assert r["mean_acceptance_length"] == pytest.approx(1 + sum(rates))
+        # vLLM's per-request counts, one pair per conversation, add up to its engine totals
+        assert len(r["per_conversation"]) == vllm_report["num_conversations"]
+        assert [sum(c) for c in zip(*r["per_conversation"])] == [r["drafts"], r["accepted_tokens"]]
+        low, high = r["interval_95"]
+        assert low <= r["mean_acceptance_length"] <= high
+    # the random draft is listed after the trained one: the paired interval of its difference lies below zero
+    low, high = random["vs_first"]["interval_95"]
+    assert low <= random["vs_first"]["difference"] <= high < 0
     assert vllm_report["baseline_tokens_per_s"] > 0
 
 
@@ -56,6 +64,7 @@ def test_transformers_backend_agrees_with_vllm(tmp_path, vllm_report, trained, r
     for name, r in vllm_report["drafts"].items():
         assert abs(report["drafts"][name]["mean_acceptance_length"] - r["mean_acceptance_length"]) <= 0.05, name
         assert report["drafts"][name]["lossless"] is True
+        assert len(report["drafts"][name]["per_conversation"]) == report["num_conversations"]
 
 
 def test_bad_input_exits_2_with_one_line(tmp_path, trained, data_dir, other_verifier):
@@ -115,3 +124,16 @@ def test_drafts_of_two_runs_get_their_own_rows(tmp_path):
     paths = [str(tmp_path / "ttt5/checkpoints/best"), str(tmp_path / "lk/checkpoints/best/"), str(tmp_path / "solo")]
     assert stage_module.draft_names(paths) == {
         "ttt5/checkpoints/epoch_2": paths[0], "lk/checkpoints/epoch_2": paths[1], "solo": paths[2]}
+
+
+def test_bootstrap_interval_of_a_draft_and_of_a_paired_difference():
+    from common.evaluate import bootstrap_interval
+    same = [[10, 5]] * 20  # every conversation accepts 0.5 draft tokens a step
+    assert bootstrap_interval(same) == pytest.approx([1.5, 1.5])
+    varied = [[10 + i, (i * 7) % 13] for i in range(30)]
+    low, high = bootstrap_interval(varied)
+    point = 1 + sum(a for _, a in varied) / sum(s for s, _ in varied)
+    assert low < point < high and high - low < 0.5
+    assert bootstrap_interval(varied, varied) == pytest.approx([0.0, 0.0])  # paired: a draft against itself
+    better = [[s, a + 2] for s, a in varied]  # two more accepted tokens in every conversation
+    assert bootstrap_interval(better, varied)[0] > 0
