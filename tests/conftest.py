@@ -162,3 +162,12 @@ def foreign_verifier(tmp_path_factory, other_verifier):
 def read_json(path):
     with open(path) as f:
         return json.load(f)
+
+
+def stage_module(script: str):
+    """A numbered stage script (its name starts with a digit) imported as a module, for its parser and helpers."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"stage_{script}", os.path.join(ROOT, f"{script}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,9 +1,8 @@
 """Stage 05 with real vLLM (the CPU build) and the real verifier: trained vs random draft, both backends."""
-import os
 
 import pytest
 
-from conftest import ROOT, assert_user_error, read_json, stage
+from conftest import assert_user_error, read_json, stage, stage_module
 
 EVAL_ARGS = ["--num-prompts", 6, "--max-new-tokens", 48, "--max-turns", 2, "--max-prompt-len", 512]
 
@@ -113,16 +112,13 @@ def test_vllm_with_tensor_parallel_2(tmp_path, tokenizer, data_dir):
 def test_drafts_of_two_runs_get_their_own_rows(tmp_path):
     """Two runs' `checkpoints/best` both point at an `epoch_2`: each keeps a row of its own, named by as
     many folders as tell them apart (they once shared one row, silently)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("evaluate_stage", os.path.join(ROOT, "05_evaluate.py"))
-    stage_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(stage_module)
+    evaluate_stage = stage_module("05_evaluate")
     for run in ("ttt5", "lk"):
         (tmp_path / run / "checkpoints" / "epoch_2").mkdir(parents=True)
         (tmp_path / run / "checkpoints" / "best").symlink_to("epoch_2")
     (tmp_path / "solo").mkdir()
     paths = [str(tmp_path / "ttt5/checkpoints/best"), str(tmp_path / "lk/checkpoints/best/"), str(tmp_path / "solo")]
-    assert stage_module.draft_names(paths) == {
+    assert evaluate_stage.draft_names(paths) == {
         "ttt5/checkpoints/epoch_2": paths[0], "lk/checkpoints/epoch_2": paths[1], "solo": paths[2]}
 
 

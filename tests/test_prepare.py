@@ -7,7 +7,7 @@ import pytest
 
 from common.data import load_records, normalize, prepare_rows, tokenize_with_mask
 from common.data import load_prepared
-from conftest import ROOT, ROWS, SEQ, assert_user_error, kill_at, read_json, stage
+from conftest import ROOT, ROWS, SEQ, assert_user_error, kill_at, read_json, stage, stage_module
 
 
 def multi_turn_conversation():
@@ -188,11 +188,7 @@ def test_cut_off_json_array_keeps_its_complete_records_and_says_so(tmp_path):
 @pytest.mark.parametrize("config", sorted(os.listdir(os.path.join(ROOT, "configs"))))
 def test_every_shipped_config_passes_every_stage_check(config):
     """configs/ are what users copy: each key is a flag of the stage that reads it, each value one it accepts."""
-    import importlib.util
-
     from common.cli import read_config
     for script in ("01_prepare_dataset", "02_build_vocab_mapping", "03_extract_hidden_states", "04_train", "05_evaluate"):
-        spec = importlib.util.spec_from_file_location(f"stage_{script}", os.path.join(ROOT, f"{script}.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = stage_module(script)
         assert read_config(module.build_parser(), module.STAGE, os.path.join(ROOT, "configs", config))
