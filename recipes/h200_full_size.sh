@@ -14,13 +14,12 @@
 #          without regenerated data, C trains on orig (the 2026-12-03 runs a and c).
 #   ABL="NAME ...": beside run a, ablations of docs/quality.md on the same rows, each one flag over the config:
 #          ttt5 (--ttt-steps 5), lk (--loss lk_hybrid), l2 (--draft-layers 2), w4 (--draft-intermediate-size
-#          6144, 4x the verifier's MLP), lr2 (--lr 2e-3), v32k (a 32,768-token draft vocabulary, the config's own
-#          since 2026-12-04), v16k (16,384, the one before), or several joined by + (l2+v16k); ABL=1 is
-#          "ttt5 lk l2 w4". Trainings started several at once on the
-#          one GPU have died with 'unspecified launch failure' (seven crashes in three runs, at random steps, also
-#          with --compile-wait; never a run alone): keep it to three. Every training here compiles before its
-#          first step (--compile-wait), checkpoints every 3,000 steps and, if it fails, is rerun with --resume
-#          (three tries).
+#          6144, 4x the verifier's MLP), lr2 (--lr 2e-3), v16k (a 16,384-token draft vocabulary, the config's
+#          until 2026-12-04, when the ablation v32k measured its 32,768), or several joined by + (l2+v16k);
+#          ABL=1 is "ttt5 lk l2 w4". Trainings started several at once on the one GPU have died with
+#          'unspecified launch failure' (seven crashes in three runs, at random steps, also with --compile-wait;
+#          never a run alone): keep it to three. Every training here compiles before its first step
+#          (--compile-wait), checkpoints every 3,000 steps and, if it fails, is rerun with --resume (three tries).
 #   LONG=1 first runs the long-context curve (bench/bench_train.py, 8B-shaped draft at $LONG_LENS-token packs,
 #          sdpa's dense TTT mask against flex attention's block mask) alone on the GPU, into logs/long.out,
 #          while 01 prepares the rows on the CPU.
@@ -36,8 +35,8 @@ abl_flags() {  # NAME[+NAME...] -> its 04 flags over the config
     case $part in
       ttt5) echo --ttt-steps 5 ;; lk) echo --loss lk_hybrid ;; l2) echo --draft-layers 2 ;; lr2) echo --lr 2e-3 ;;
       w4) echo --draft-intermediate-size 6144 ;;
-      v32k) echo --vocab-mapping-dir $W/v32k ;; v16k) echo --vocab-mapping-dir $W/v16k ;;
-      *) echo "ABL: unknown ablation $part in $1 (ttt5 lk l2 w4 lr2 v32k v16k, joined by +)" >&2; return 2 ;;
+      v16k) echo --vocab-mapping-dir $W/v16k ;;
+      *) echo "ABL: unknown ablation $part in $1 (ttt5 lk l2 w4 lr2 v16k, joined by +)" >&2; return 2 ;;
     esac
   done
 }
@@ -94,10 +93,10 @@ done
 wait "${orig[@]}"; say "01 orig done"
 # 02 counts tokens on the CPU while 03 holds the GPU (03 does not read the mapping)
 maps=(); need=$A; [ "$REGEN_S" -gt 0 ] && need=1  # the config's map only if a run uses it (d does)
-for abl in $ABL; do case $abl in *v32k*|*v16k*) ;; *) need=1 ;; esac; done
+for abl in $ABL; do case $abl in *v16k*) ;; *) need=1 ;; esac; done
 [ "$need" = 1 ] && { ( $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig > $W/logs/02_orig.out 2>&1 ) & maps+=($!); }
-for v in 32 16; do case " $ABL" in *v${v}k*) ( $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig \
-  --draft-vocab-size $((v * 1024)) --output-dir $W/v${v}k > $W/logs/02_v${v}k.out 2>&1 ) & maps+=($!) ;; esac; done
+case " $ABL" in *v16k*) ( $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig --draft-vocab-size 16384 \
+  --output-dir $W/v16k > $W/logs/02_v16k.out 2>&1 ) & maps+=($!) ;; esac
 [ -n "${long[*]}" ] && { wait "${long[@]}"; T0=$(date +%s); }  # the curve's timings want the GPU alone
 $PY 03_extract_hidden_states.py --config $CFG --data-dir $W/orig > $W/logs/03_orig.out 2>&1
 say "03 orig: $(tail -1 $W/logs/03_orig.out); disk $(df -h $W | tail -1)"
