@@ -131,10 +131,12 @@ def run(args):
                 tokenizer, prompts, args, stats, per_conversation)
         result = ev.acceptance(stats)
         result.update(tokens_per_s=tokens / wall, generated_tokens=tokens, path=path)
-        if [sum(c) for c in zip(*per_conversation)] == [stats["drafts"], stats["accepted"]]:
+        counted = [sum(c) for c in zip(*per_conversation)]
+        if counted == [stats["drafts"], stats["accepted"]]:
             result["per_conversation"] = per_conversation  # what the 95% intervals are drawn from
-        else:
-            log.warning(f"{name}: per-conversation counts do not add up to the engine's totals; no intervals")
+        else:  # a vLLM without per-request spec-decode counts gives none
+            log.warning(f"{name}: per-conversation counts (verify steps, accepted) {counted} do not add up to the "
+                        f"engine's totals {[stats['drafts'], stats['accepted']]}: no 95% intervals")
         if args.temperature == 0:
             mismatched = sum(a != b for conv_a, conv_b in zip(answers, base) for a, b in zip(conv_a, conv_b))
             result["lossless"] = mismatched == 0

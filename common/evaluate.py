@@ -3,6 +3,7 @@
 Two backends: vLLM speculative decoding (the real thing), and a transformers simulation of greedy
 chain speculation (for machines without vLLM) that follows vLLM's EAGLE-3 proposer step by step.
 """
+import dataclasses
 import json
 import os
 import random
@@ -73,11 +74,14 @@ def clip_prompt(ids: list[int], max_prompt: int) -> list[int]:
 
 def vllm_engine(verifier: str, args, draft: str | None = None):
     from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
     spec = None if draft is None else {"method": "eagle3", "model": draft,
                                        "num_speculative_tokens": args.num_speculative_tokens}
     # text prompts only: a multimodal wrapper (Kimi-K2.5) runs without building its vision tower
-    # per-request counts (summary: a histogram of accepted tokens per verify step) give each conversation's figures
-    per_request = {} if draft is None else {"per_request_spec_decode_metrics": "summary"}
+    # per-request counts (summary: a histogram of accepted tokens per verify step) give each conversation's figures;
+    # a vLLM older than them serves without (and 05 reports no intervals)
+    per_request = {"per_request_spec_decode_metrics": "summary"} if draft is not None and (
+        "per_request_spec_decode_metrics" in {f.name for f in dataclasses.fields(EngineArgs)}) else {}
     return LLM(model=verifier, speculative_config=spec, disable_log_stats=False, enforce_eager=True, **per_request,
                max_model_len=args.max_model_len, dtype=args.dtype, seed=args.seed,
                trust_remote_code=args.trust_remote_code, enable_prefix_caching=False,
