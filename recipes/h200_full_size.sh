@@ -13,8 +13,8 @@
 #          D (ours on orig + regen: every conversation twice, once with each reply), all $EPOCHS epochs;
 #          without regenerated data, C trains on orig (the 2026-12-03 runs a and c).
 #   ABL="NAME ...": beside run a, ablations of docs/quality.md on the same rows, each one flag over the config:
-#          ttt5 (--ttt-steps 5), lk (--loss lk_hybrid), l2 (--draft-layers 2), w4 (--draft-intermediate-size
-#          6144, 4x the verifier's MLP), w8 (12288, 8x), lr2 (--lr 2e-3), v16k (a 16,384-token draft vocabulary, the config's
+#          ttt5 (--ttt-steps 5), lk (--loss lk_hybrid), l2 (--draft-layers 2), wK (--draft-intermediate-size
+#          1536*K, K times the verifier's MLP; the config's is w8 since 2026-12-04, w1 the verifier's own), lr2 (--lr 2e-3), v16k (a 16,384-token draft vocabulary, the config's
 #          until 2026-12-04, when the ablation v32k measured its 32,768), or several joined by + (l2+v16k);
 #          ABL=1 is "ttt5 lk l2 w4". Trainings started several at once on the one GPU have died with
 #          'unspecified launch failure' (seven crashes in three runs, at random steps, also with --compile-wait;
@@ -34,9 +34,9 @@ abl_flags() {  # NAME[+NAME...] -> its 04 flags over the config
   for part in ${1//+/ }; do
     case $part in
       ttt5) echo --ttt-steps 5 ;; lk) echo --loss lk_hybrid ;; l2) echo --draft-layers 2 ;; lr2) echo --lr 2e-3 ;;
-      w4) echo --draft-intermediate-size 6144 ;; w8) echo --draft-intermediate-size 12288 ;;
+      w[1-9]|w[1-9][0-9]) echo --draft-intermediate-size $((1536 * ${part#w})) ;;
       v16k) echo --vocab-mapping-dir $W/v16k ;;
-      *) echo "ABL: unknown ablation $part in $1 (ttt5 lk l2 w4 w8 lr2 v16k, joined by +)" >&2; return 2 ;;
+      *) echo "ABL: unknown ablation $part in $1 (ttt5 lk l2 wK lr2 v16k, joined by +)" >&2; return 2 ;;
     esac
   done
 }
