@@ -23,7 +23,9 @@
 #   LONG=1 first runs the long-context curve (bench/bench_train.py, 8B-shaped draft at $LONG_LENS-token packs,
 #          sdpa's dense TTT mask against flex attention's block mask) alone on the GPU, into logs/long.out,
 #          while 01 prepares the rows on the CPU.
-# Each best checkpoint is slimmed (recipes/slim_checkpoint.py) into $W/results/NAME.tar; logs into logs.tgz.
+# Each best checkpoint is slimmed (recipes/slim_checkpoint.py) into $W/results/NAME.tar, also cut into 15 MiB parts
+# NAME.tar.00, .01, ... (the device tool brings back files of up to 16 MiB, 64 MiB a call: `cat NAME.tar.* > NAME.tar`
+# here; a w8 draft is 47 MB, l2+w8 ~92 MB); logs into logs.tgz.
 set -uo pipefail
 W=${W:-/tmp/e3}; N=${N:-17671}; SHARDS=${SHARDS:-8}; RSHARD=${RSHARD:-2000}; REGEN_S=${REGEN_S:-0}
 NREGEN=${NREGEN:-4000}; EPOCHS=${EPOCHS:-3}; PY=${PY:-python3}; CFG=${CFG:-configs/full-size.yaml}; C=${C:-0}
@@ -55,7 +57,8 @@ train() {  # NAME FLAGS...: 04 on the config, its best checkpoint slimmed into t
     say "04 $name failed (try $try): $(grep -h 'Error' $W/logs/04_$name.out | tail -1)"; resume=--resume
   done
   $PY recipes/slim_checkpoint.py strip $W/out_$name/checkpoints/best $W/slim/$name \
-    && cp $W/out_$name/checkpoints/best/run.json $W/slim/$name/ && tar -C $W/slim -cf $W/results/$name.tar $name
+    && cp $W/out_$name/checkpoints/best/run.json $W/slim/$name/ && tar -C $W/slim -cf $W/results/$name.tar $name \
+    && split -b 15M -d $W/results/$name.tar $W/results/$name.tar.
   say "04 $name: $(tail -1 $W/logs/04_$name.out)"
 }
 
@@ -121,7 +124,8 @@ if [ "$C" = 1 ]; then
   ( $PY -m speculators.train --verifier-name-or-path $V --data-path $CDATA/speculators --draft-vocab-size $VOCAB \
       --hidden-states-backend fp8 --save-path $W/out_c --epochs $EPOCHS --loss-implementation eager > $W/logs/04_c.out 2>&1
     last=$W/out_c/checkpoint_best; [ -e $last ] || last=$(ls -d $W/out_c/[0-9]*/ | sort -V | tail -1)
-    $PY recipes/slim_checkpoint.py strip $last $W/slim/c && tar -C $W/slim -cf $W/results/c.tar c
+    $PY recipes/slim_checkpoint.py strip $last $W/slim/c && tar -C $W/slim -cf $W/results/c.tar c \
+      && split -b 15M -d $W/results/c.tar $W/results/c.tar.
     say "c: $(tail -1 $W/logs/04_c.out) -> $last" ) &
 fi
 wait
