@@ -126,13 +126,15 @@ def append_metrics(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def run_fingerprint(args, aux, verifier_hash, draft_vocab) -> str:
-    """What a resumed run must share with the checkpoint it continues."""
+def run_fingerprint(args, aux, verifier_hash, draft_vocab, verifier_mlp: int) -> str:
+    """What a resumed run must share with the checkpoint it continues (an MLP width equal to the verifier's
+    is the default's: the same draft)."""
     return sha256_json({"verifier": verifier_hash, "aux": aux, "draft_vocab": draft_vocab, "ttt": args.ttt_steps,
                         "max_seq_len": args.max_seq_len, "val_ratio": args.val_ratio, "seed": args.seed,
                         "norms": [args.norm_before_fc, args.norm_output], "optimizer": args.optimizer,
                         **({"layers": args.draft_layers} if args.draft_layers != 1 else {}),  # old runs stay resumable
-                        **({"mlp": args.draft_intermediate_size} if args.draft_intermediate_size is not None else {})})
+                        **({"mlp": args.draft_intermediate_size}
+                           if args.draft_intermediate_size not in (None, verifier_mlp) else {})})
 
 
 @dataclass
@@ -267,7 +269,8 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     loss_config = resolve_loss_config(args.loss, args.loss_implementation if on_gpu else "eager")
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = Optimizers(model, args, fused=on_gpu)
-    fingerprint = run_fingerprint(args, aux, verifier_hash, model.draft_vocab_size)
+    fingerprint = run_fingerprint(args, aux, verifier_hash, model.draft_vocab_size,
+                                  getattr(text_config, "intermediate_size", None))
     if rank == 0:
         log.info(f"{len(files)} rows from {len(folders)} folder(s): {len(train_rows)} train, {len(val_rows)} val; "
                  f"aux layers {aux}; draft vocab {model.draft_vocab_size}; "

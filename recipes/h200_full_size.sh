@@ -95,7 +95,7 @@ for r in $(ranges $N $SHARDS); do
 done
 wait "${orig[@]}"; say "01 orig done"
 # 02 counts tokens on the CPU while 03 holds the GPU (03 does not read the mapping)
-maps=(); need=$A; [ "$REGEN_S" -gt 0 ] && need=1  # the config's map only if a run uses it (d does)
+maps=(); need=$A; [ "$REGEN_S" -gt 0 ] || [ "$C" = 1 ] && need=1  # the config's map only if a run uses it (d, c do)
 for abl in $ABL; do case $abl in *v16k*) ;; *) need=1 ;; esac; done
 [ "$need" = 1 ] && { ( $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig > $W/logs/02_orig.out 2>&1 ) & maps+=($!); }
 case " $ABL" in *v16k*) ( $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig --draft-vocab-size 16384 \
@@ -120,9 +120,10 @@ fi
 if [ "$C" = 1 ]; then
   $PY export_speculators_data.py --data-dir $CDATA > $W/logs/export.out 2>&1
   V=$($PY -c "from common.verifier import ensure_default_verifier as e; print(e())")
-  VOCAB=$($PY -c "import yaml; print(yaml.safe_load(open('$CFG'))['vocab']['draft_vocab_size'])")
+  VOCAB=$($PY -c "import numpy; print(len(numpy.load('$CDATA/vocab_mapping/d2t.npy')))")  # the mapping 02 made
   ( $PY -m speculators.train --verifier-name-or-path $V --data-path $CDATA/speculators --draft-vocab-size $VOCAB \
-      --hidden-states-backend fp8 --save-path $W/out_c --epochs $EPOCHS --loss-implementation eager > $W/logs/04_c.out 2>&1
+      --hidden-states-backend fp8 --save-path $W/out_c --epochs $EPOCHS --loss-implementation eager > $W/logs/04_c.out 2>&1 \
+      || { say "c failed: $(tail -1 $W/logs/04_c.out)"; exit 1; }
     last=$W/out_c/checkpoint_best; [ -e $last ] || last=$(ls -d $W/out_c/[0-9]*/ | sort -V | tail -1)
     $PY recipes/slim_checkpoint.py strip $last $W/slim/c && tar -C $W/slim -cf $W/results/c.tar c \
       && split -b 15M -d $W/results/c.tar $W/results/c.tar.

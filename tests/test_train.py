@@ -71,9 +71,12 @@ def test_killed_and_resumed_matches_uninterrupted(tmp_path, data_dir, trained, p
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records if r["split"] == "train"]
     assert len(steps) == len(set(steps))  # each step logged once, the replayed ones included
-    if point == "after_checkpoint":  # resuming with another TTT depth is refused
+    if point == "after_checkpoint":  # resuming with another TTT depth or MLP width is refused
         proc = stage("04_train.py", *args[2:], "--resume", "--ttt-steps", 2, check=False)
         assert_user_error(proc, "new --output-dir")
+        proc = stage("04_train.py", *args[2:], "--resume", "--draft-intermediate-size", 2048, check=False)
+        assert_user_error(proc, "new --output-dir")
+        stage("04_train.py", *args[2:], "--resume", "--draft-intermediate-size", 1536)  # SmolLM2's own: the same draft
 
 
 def test_packed_batches_match_speculators_collate(data_dir, hs_dir):
