@@ -122,7 +122,7 @@ def generate_vllm(llm, tokenizer, prompts, args, per_conversation=None) -> tuple
         for i, out in zip(active, llm.generate(inputs, params, use_tqdm=False)):
             ids = list(out.outputs[0].token_ids)
             generated += len(ids)
-            spec = out.outputs[0].spec_decode_metrics
+            spec = getattr(out.outputs[0], "spec_decode_metrics", None)  # absent in a vLLM without per-request counts
             if per_conversation is not None and spec is not None:
                 per_conversation[i][0] += sum(spec.histogram)
                 per_conversation[i][1] += sum(j * c for j, c in enumerate(spec.histogram))

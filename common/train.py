@@ -126,7 +126,7 @@ def append_metrics(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def run_fingerprint(args, aux, verifier_hash, draft_vocab, verifier_mlp: int) -> str:
+def run_fingerprint(args, aux, verifier_hash, draft_vocab, verifier_mlp: int | None) -> str:
     """What a resumed run must share with the checkpoint it continues (an MLP width equal to the verifier's
     is the default's: the same draft)."""
     return sha256_json({"verifier": verifier_hash, "aux": aux, "draft_vocab": draft_vocab, "ttt": args.ttt_steps,

@@ -14,8 +14,9 @@
 #          without regenerated data, C trains on orig (the 2026-12-03 runs a and c).
 #   ABL="NAME ...": beside run a, ablations of docs/quality.md on the same rows, each one flag over the config:
 #          ttt5 (--ttt-steps 5), lk (--loss lk_hybrid), l2 (--draft-layers 2), wK (--draft-intermediate-size
-#          1536*K, K times the verifier's MLP; the config's is w8 since 2026-12-04, w1 the verifier's own), lr2 (--lr 2e-3), v16k (a 16,384-token draft vocabulary, the config's
-#          until 2026-12-04, when the ablation v32k measured its 32,768), or several joined by + (l2+v16k);
+#          1536*K, K times the verifier's MLP, K 1-99; the config's is w8 since 2026-12-04, w1 the verifier's own),
+#          lr2 (--lr 2e-3), v16k (a 16,384-token draft vocabulary, the config's until 2026-12-04, when the ablation
+#          v32k measured its 32,768), or several joined by + (l2+v16k);
 #          ABL=1 is "ttt5 lk l2 w4". Trainings started several at once on the one GPU have died with
 #          'unspecified launch failure' (seven crashes in three runs, at random steps, also with --compile-wait;
 #          never a run alone): keep it to three. Every training here compiles before its first step
