@@ -13,12 +13,13 @@
 #          D (ours on orig + regen: every conversation twice, once with each reply), all $EPOCHS epochs;
 #          without regenerated data, C trains on orig (the 2026-12-03 runs a and c).
 #   ABL="NAME ...": beside run a, ablations of docs/quality.md on the same rows, each one flag over the config:
-#          ttt5 (--ttt-steps 5), lk (--loss lk_hybrid), l2 (--draft-layers 2), wK (--draft-intermediate-size
-#          1536*K, K times the verifier's MLP, K 1-99; the config's is w8 since 2026-12-04, w1 the verifier's own),
+#          ttt5 (--ttt-steps 5), lk (--loss lk_hybrid), lN (--draft-layers N, 1-9; the config's is l2 since the
+#          evening of 2026-12-04), wK (--draft-intermediate-size 1536*K, K times the verifier's MLP, K 1-99; the
+#          config's is w8 since 2026-12-04, w1 the verifier's own),
 #          lr2 (--lr 2e-3), v16k (a 16,384-token draft vocabulary, the config's until 2026-12-04, when the ablation
-#          v32k measured its 32,768), or several joined by + (l2+v16k);
-#          ABL=1 is "ttt5 lk l2 w4". Trainings started several at once on the one GPU have died with
-#          'unspecified launch failure' (seven crashes in three runs, at random steps, also with --compile-wait;
+#          v32k measured its 32,768), or several joined by + (l3+v16k);
+#          ABL=1 is "ttt5 lk l1 w4". Trainings started several at once on the one GPU have died with
+#          'unspecified launch failure' (seven crashes in three runs, at random steps, also with --compile-wait; none in the two of 2026-12-04 evening;
 #          never a run alone): keep it to three. Every training here compiles before its first step
 #          (--compile-wait), checkpoints every 3,000 steps and, if it fails, is rerun with --resume (three tries).
 #   LONG=1 first runs the long-context curve (bench/bench_train.py, 8B-shaped draft at $LONG_LENS-token packs,
@@ -26,20 +27,21 @@
 #          while 01 prepares the rows on the CPU.
 # Each best checkpoint is slimmed (recipes/slim_checkpoint.py) into $W/results/NAME.tar, also cut into 15 MiB parts
 # NAME.tar.00, .01, ... (the device tool brings back files of up to 16 MiB, 64 MiB a call: `cat NAME.tar.* > NAME.tar`
-# here; a w8 draft is 47 MB, l2+w8 ~92 MB); logs into logs.tgz.
+# here; a one-layer w8 draft is 47 MB, the config's two layers 92 MB); logs into logs.tgz.
 set -uo pipefail
 W=${W:-/tmp/e3}; N=${N:-17671}; SHARDS=${SHARDS:-8}; RSHARD=${RSHARD:-2000}; REGEN_S=${REGEN_S:-0}
 NREGEN=${NREGEN:-4000}; EPOCHS=${EPOCHS:-3}; PY=${PY:-python3}; CFG=${CFG:-configs/full-size.yaml}; C=${C:-0}
 A=${A:-1}; BENCH=${BENCH:-0}; ABL=${ABL:-}; LONG=${LONG:-0}; LONG_LENS=${LONG_LENS:-32768 16384 8192}
-[ "$ABL" = 1 ] && ABL="ttt5 lk l2 w4"; [ "$ABL" = 0 ] && ABL=
+[ "$ABL" = 1 ] && ABL="ttt5 lk l1 w4"; [ "$ABL" = 0 ] && ABL=
 abl_flags() {  # NAME[+NAME...] -> its 04 flags over the config
   local part
   for part in ${1//+/ }; do
     case $part in
-      ttt5) echo --ttt-steps 5 ;; lk) echo --loss lk_hybrid ;; l2) echo --draft-layers 2 ;; lr2) echo --lr 2e-3 ;;
+      ttt5) echo --ttt-steps 5 ;; lk) echo --loss lk_hybrid ;; lr2) echo --lr 2e-3 ;;
+      l[1-9]) echo --draft-layers ${part#l} ;;
       w[1-9]|w[1-9][0-9]) echo --draft-intermediate-size $((1536 * ${part#w})) ;;
       v16k) echo --vocab-mapping-dir $W/v16k ;;
-      *) echo "ABL: unknown ablation $part in $1 (ttt5 lk l2 wK lr2 v16k, joined by +)" >&2; return 2 ;;
+      *) echo "ABL: unknown ablation $part in $1 (ttt5 lk lN wK lr2 v16k, joined by +)" >&2; return 2 ;;
     esac
   done
 }
