@@ -34,7 +34,7 @@ def build_parser():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda, cpu, or auto (transformers device_map over all visible GPUs)")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"],
-                   help="compute dtype (default bfloat16 on a GPU and on a CPU with AMX, float32 on other CPUs); "
+                   help="compute dtype (default bfloat16 on a GPU and on a CPU with AMX or AVX512-BF16, float32 on other CPUs); "
                         "files: --hidden-states-dtype")
     p.add_argument("--hidden-states-dtype", choices=["bf16", "fp8"], default="bf16",
                    help="file format of the states: bf16, or fp8 (float8_e4m3fn with one float32 scale per token, "

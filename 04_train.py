@@ -59,7 +59,7 @@ def build_parser():
                         "42%% of the memory of eager sdpa, docs/benchmarks.md); flex attention without --compile is slow")
     p.add_argument("--dtype", choices=["bfloat16", "float32"],
                    help="compute dtype of the draft's forward (bf16 autocast over float32 weights) and of the states "
-                        "it reads (default bfloat16 on a GPU and on a CPU with AMX, float32 on other CPUs)")
+                        "it reads (default bfloat16 on a GPU and on a CPU with AMX or AVX512-BF16, float32 on other CPUs)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the draft forward, on a thread beside the first (eager) steps; the loop "
                         "switches to it when it is built, and logs how long that took (H200, 8B-shaped draft: "

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """bfloat16 against float32 on the CPU, side by side in one run: a matrix product of the draft head's
 shape, stage 03 on the same prepared rows, and stage 04 on the same extracted rows (eager, and with
---compile --compile-wait). On a CPU with AMX, bfloat16 is the default of 03 and 04 (common/verifier.py:
+--compile --compile-wait). On a CPU with AMX or AVX512-BF16, bfloat16 is the default of 03 and 04 (common/verifier.py:
 compute_dtype); this measures what that buys.
 
   python bench/bench_cpu_dtype.py --data-dir runs/demo400/data --steps 60 --work /tmp/bench_dtype
@@ -71,7 +71,9 @@ def main():
     os.makedirs(args.work, exist_ok=True)
     data = os.path.abspath(args.data_dir)
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    print(f"CPU: {torch.get_num_threads()} threads, AMX {amx}, capability {torch.backends.cpu.get_cpu_capability()}")
+    avx512_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    print(f"CPU: {torch.get_num_threads()} threads, AMX {amx}, AVX512-BF16 {avx512_bf16}, "
+          f"capability {torch.backends.cpu.get_cpu_capability()}")
     rows = {"matmul GFLOP/s (1024x576 @ 576x8192)": {d: matmul_gflops(d) for d in DTYPES},
             "03 tokens/s": {d: extract_tokens_per_s(data, args.work, args.config, d) for d in DTYPES},
             "04 tokens/s, eager": {d: train_tokens_per_s(data, args.work, args.config, d, args.steps, False) for d in DTYPES},
@@ -82,7 +84,7 @@ def main():
         print(f"{name:42} {r['float32']:10,.0f} {r['bfloat16']:10,.0f} {r['bfloat16'] / r['float32']:6.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"amx": amx, "threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
+            json.dump({"amx": amx, "avx512_bf16": avx512_bf16, "threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

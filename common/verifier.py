@@ -142,13 +142,13 @@ def verifier_fingerprint(text_config) -> str:
 
 def compute_dtype(device: str) -> str:
     """Default compute dtype of the verifier (03) and the draft (04): bfloat16 on a GPU and on a CPU that
-    multiplies bfloat16 natively (Intel AMX: 9x float32's matmul rate on this project's 2-core machine,
-    03 2.89x and 04 1.52x faster, bench/bench_cpu_dtype.py), float32 on other CPUs, where bfloat16 is emulated."""
+    multiplies bfloat16 natively (bench/bench_cpu_dtype.py, 2 cores: Intel AMX 03 2.89x and 04 1.52x faster;
+    AMD EPYC with AVX512-BF16 03 1.70x, 04 1.37x), float32 on other CPUs, where bfloat16 is emulated."""
     if device != "cpu":
         return "bfloat16"
     import torch
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return "bfloat16" if amx is not None and amx() else "float32"
+    native = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    return "bfloat16" if any(f is not None and f() for f in native) else "float32"
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
