@@ -147,8 +147,8 @@ def compute_dtype(device: str) -> str:
     if device != "cpu":
         return "bfloat16"
     import torch
-    native = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
-    return "bfloat16" if any(f is not None and f() for f in native) else "float32"
+    native = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return "bfloat16" if any(getattr(torch.cpu, name, lambda: False)() for name in native) else "float32"
 
 
 def default_aux_layers(num_layers: int) -> list[int]:

@@ -19,8 +19,8 @@
 #          lr2 (--lr 2e-3), v16k (a 16,384-token draft vocabulary, the config's until 2026-12-04, when the ablation
 #          v32k measured its 32,768), or several joined by + (l3+v16k);
 #          ABL=1 is "ttt5 lk l1 w4". Trainings started several at once on the one GPU have died with
-#          'unspecified launch failure' (seven crashes in three runs, at random steps, also with --compile-wait; none in the two of 2026-12-04 evening;
-#          never a run alone): keep it to three. Every training here compiles before its first step
+#          'unspecified launch failure' (seven crashes in three runs, at random steps, also with --compile-wait;
+#          none in the two of the evening of 2026-12-04; never a run alone): keep it to three. Every training here compiles before its first step
 #          (--compile-wait), checkpoints every 3,000 steps and, if it fails, is rerun with --resume (three tries).
 #   LONG=1 first runs the long-context curve (bench/bench_train.py, 8B-shaped draft at $LONG_LENS-token packs,
 #          sdpa's dense TTT mask against flex attention's block mask) alone on the GPU, into logs/long.out,
