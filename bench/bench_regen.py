@@ -3,7 +3,8 @@
 
 The real verifier (the embedded default unless --verifier), the first user turns of ShareGPT conversations
 (in 01's order), greedy, the same --max-new-tokens for each; prints generated tokens/s of each batching,
-its ratio to `padded`, and how many replies equal padded's (bf16 on a GPU may flip a near-tie).
+its ratio to `padded`, and how many replies equal padded's once greedy loops are cut as 01 cuts them (slots
+stops a looping reply early; bf16 on a GPU may flip a near-tie).
 Usage: python bench/bench_regen.py --prompts 512 --max-new-tokens 256 --batchings padded slots
 """
 import argparse
@@ -15,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import load_records, normalize  # noqa: E402
-from common.regenerate import TransformersGenerator, encode, script  # noqa: E402
+from common.regenerate import TransformersGenerator, cut_loop, encode, script  # noqa: E402
 from common.verifier import ensure_default_verifier  # noqa: E402
 
 
@@ -58,12 +59,18 @@ def main():
         seconds = time.time() - t0
         rate = sum(len(r) + f for r, f in out) / seconds
         first = first or (batching, rate, out)
-        same = sum(a == b for a, b in zip(out, first[2]))
+        same = sum(trained(a) == trained(b) for a, b in zip(out, first[2]))
         print(f"{batching:>10}: {rate:9,.0f} generated tok/s  {rate / first[1]:5.2f}x {first[0]}  "
               f"{same}/{len(out)} replies equal {first[0]}'s  ({seconds:.1f}s)", flush=True)
         del gen
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+
+
+def trained(result):
+    """A (reply, finished) as 01 keeps it: a reply cut by its limit loses its loop's repeats."""
+    reply, finished = result
+    return reply if finished else (cut_loop(reply) or reply)
 
 
 if __name__ == "__main__":

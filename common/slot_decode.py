@@ -51,38 +51,46 @@ class SlotDecoder:
         self.slots, self.max_len, self.prefill_tokens = slots, max_len, prefill_tokens
         self.rows = torch.arange(slots, device=p.device)
         self.span = torch.arange(max_len, device=p.device)
-        self.graph = None
+        # attention reads the cache only up to the longest position in use, rounded up to one of these
+        # spans: a step over the whole max_len read mostly empty cache (its bytes bound the step)
+        self.spans = sorted({min(max_len, 256 << i) for i in range(max(1, max_len.bit_length()))})
+        self.graphs = {}
         if p.device.type == "cuda":
             try:
                 self.capture()
             except RuntimeError as e:  # a model whose step cannot be recorded still runs, eagerly
                 log.warning(f"slots: decode step not captured as a CUDA graph, running eagerly ({str(e)[:200]})")
-                self.graph = None
+                self.graphs = {}
 
     def capture(self) -> None:
-        """Record the decode step once as a CUDA graph: one launch a step instead of a thousand small kernels
-        launched from Python, which held the eager step to ~60 ms at 256 rows on the H200."""
+        """Record the decode step once per span as a CUDA graph (one memory pool): one launch a step instead
+        of a thousand small kernels launched from Python, which held the eager step to ~60 ms at 256 rows."""
         self.graph_tokens = torch.zeros(self.slots, dtype=torch.long, device=self.keys.device)
         self.graph_pos = torch.zeros_like(self.graph_tokens)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up (its writes at position 0 are overwritten by every prefill)
-            for _ in range(2):
-                self.step(self.graph_tokens, self.graph_pos)
+            for span in self.spans:
+                self.step(self.graph_tokens, self.graph_pos, span)
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.graph_logits = self.step(self.graph_tokens, self.graph_pos)
-        self.graph = graph
+        pool = None
+        for span in reversed(self.spans):  # the largest first, so the others fit in its pool
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.step(self.graph_tokens, self.graph_pos, span)
+            pool = graph.pool()
+            self.graphs[span] = (graph, logits)
 
-    def decode(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """step(), replayed from the CUDA graph on a GPU."""
-        if self.graph is None:
-            return self.step(tokens, pos)
+    def decode(self, tokens: torch.Tensor, pos: torch.Tensor, longest: int) -> torch.Tensor:
+        """step() over the smallest span that holds position `longest`, replayed from its CUDA graph on a GPU."""
+        span = next(s for s in self.spans if s > longest)
+        if not self.graphs:
+            return self.step(tokens, pos, span)
+        graph, logits = self.graphs[span]
         self.graph_tokens.copy_(tokens)
         self.graph_pos.copy_(pos)
-        self.graph.replay()
-        return self.graph_logits
+        graph.replay()
+        return logits
 
     @torch.no_grad()
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
@@ -103,15 +111,16 @@ class SlotDecoder:
         return self.model.lm_head(out.last_hidden_state[torch.arange(len(prompts), device=device), last]).float()
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """One token for every slot: `tokens` [slots] at positions `pos` [slots]; the next-token logits."""
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor:
+        """One token for every slot: `tokens` [slots] at positions `pos` [slots], each below `span`; the
+        next-token logits."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
         n, hd, groups = self.slots, self.head_dim, self.heads // self.kv_heads
         x = self.inner.embed_tokens(tokens[:, None])
         cos, sin = self.inner.rotary_emb(x, pos[:, None])
         # a slot sees its cache up to its own position; the query heads that share a key head ride as
         # that head's rows of queries, so grouped attention needs no copies of the cache
-        mask = (self.span[None, :] <= pos[:, None])[:, None, None, :]
+        mask = (self.span[None, :span] <= pos[:, None])[:, None, None, :]
         for i, layer in enumerate(self.inner.layers):
             a = layer.self_attn
             h = layer.input_layernorm(x)
@@ -122,16 +131,17 @@ class SlotDecoder:
             q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             self.keys[i][self.rows, :, pos] = k[:, :, 0]
             self.values[i][self.rows, :, pos] = a.v_proj(h).view(n, self.kv_heads, hd)
-            o = F.scaled_dot_product_attention(q.reshape(n, self.kv_heads, groups, hd), self.keys[i], self.values[i],
-                                               attn_mask=mask, scale=a.scaling)
+            o = F.scaled_dot_product_attention(q.reshape(n, self.kv_heads, groups, hd), self.keys[i][:, :, :span],
+                                               self.values[i][:, :, :span], attn_mask=mask, scale=a.scaling)
             x = x + a.o_proj(o.reshape(n, 1, self.heads * hd))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.lm_head(self.inner.norm(x)[:, 0]).float()
 
-    def generate(self, prompts, max_new, pick, eos: int, follow=None) -> list[tuple[list[int], bool]]:
+    def generate(self, prompts, max_new, pick, eos: int, follow=None, stop=None) -> list[tuple[list[int], bool]]:
         """Replies to `prompts`, each up to its max_new tokens or its eos; `pick(logits)` chooses tokens.
         `follow(i, reply, finished)`, called as reply i ends, may return a new (prompt, max_new): it is
-        appended to `prompts` and `max_new` and queued, so a conversation's next turn needs no new batch."""
+        appended to `prompts` and `max_new` and queued, so a conversation's next turn needs no new batch.
+        `stop(reply)`, if given, ends a reply early as if cut by its length limit (a greedy loop, say)."""
         device = self.keys.device
         queue = deque(sorted(range(len(prompts)), key=lambda i: len(prompts[i])))  # similar lengths prefill together
         replies = [[] for _ in prompts]
@@ -140,10 +150,11 @@ class SlotDecoder:
         free = list(range(self.slots))
         tokens = torch.zeros(self.slots, dtype=torch.long, device=device)
         pos = torch.zeros(self.slots, dtype=torch.long, device=device)
+        at_pos = [0] * self.slots  # the positions on the host, for the attention span
 
         def take(slot, i, token) -> bool:  # True while prompt i goes on
             replies[i].append(token)
-            if token == eos or len(replies[i]) >= max_new[i]:
+            if token == eos or len(replies[i]) >= max_new[i] or (stop is not None and stop(replies[i])):
                 results[i] = (replies[i][:-1], True) if token == eos else (replies[i], False)
                 free.append(slot)
                 if follow is not None and (nxt := follow(i, *results[i])) is not None:
@@ -170,12 +181,15 @@ class SlotDecoder:
                     at = torch.tensor([s for s, _, _ in going], device=device)
                     tokens[at] = torch.tensor([t for _, t, _ in going], device=device)
                     pos[at] = torch.tensor([n for _, _, n in going], device=device)
+                    for s, _, n in going:
+                        at_pos[s] = n
             if not owner:
                 continue
-            tokens = pick(self.decode(tokens, pos))
+            tokens = pick(self.decode(tokens, pos, max(at_pos[s] for s in owner)))
             pos = torch.clamp(pos + 1, max=self.max_len - 1)  # free slots run on harmlessly, masked
             host = tokens.tolist()
             for slot, i in list(owner.items()):
                 del owner[slot]
+                at_pos[slot] += 1
                 take(slot, i, host[slot])
         return results
