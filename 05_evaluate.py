@@ -8,6 +8,7 @@ import os
 import torch
 
 from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
+from common.cost import draft_read, estimated_speedup, verifier_read
 from common.log import log
 from common.verifier import load_text_config, load_tokenizer, resolve_verifier
 
@@ -101,7 +102,8 @@ def run(args):
     log.info(f"{len(prompts)} conversations, {sum(map(len, prompts))} turns, {args.max_new_tokens} new tokens each; "
              f"backend {args.backend}")
     report = {"backend": args.backend, "verifier": verifier, "num_speculative_tokens": args.num_speculative_tokens,
-              "temperature": args.temperature, "num_conversations": len(prompts), "drafts": {}}
+              "temperature": args.temperature, "num_conversations": len(prompts), "drafts": {},
+              "verifier_read_per_token": verifier_read(verifier, text_config)}
 
     eos = tokenizer.eos_token_id
     if args.backend == "vllm":
@@ -131,6 +133,11 @@ def run(args):
                 tokenizer, prompts, args, stats, per_conversation)
         result = ev.acceptance(stats)
         result.update(tokens_per_s=tokens / wall, generated_tokens=tokens, path=path)
+        # what a drafted token costs against a verify step, as memory-bound decoding of a large verifier pays it
+        result["draft_read_per_token"] = draft_read(path)
+        result["c"] = result["draft_read_per_token"]["bytes"] / report["verifier_read_per_token"]["bytes"]
+        result["estimated_speedup"] = estimated_speedup(result["mean_acceptance_length"], result["c"],
+                                                        args.num_speculative_tokens)
         counted = [sum(c) for c in zip(*per_conversation)]
         if counted == [stats["drafts"], stats["accepted"]]:
             result["per_conversation"] = per_conversation  # what the 95% intervals are drawn from
@@ -147,7 +154,8 @@ def run(args):
             result["lossless"] = "n/a"
         report["drafts"][name] = result
         log.info(f"{name}: mean acceptance length {result['mean_acceptance_length']:.3f}, per position "
-                 f"{[round(x, 3) for x in result['acceptance_rate_per_pos']]}")
+                 f"{[round(x, 3) for x in result['acceptance_rate_per_pos']]}; c {result['c']:.3f}, estimated "
+                 f"speedup {result['estimated_speedup']:.2f}x")
     ev.add_intervals(report["drafts"], args.seed)
     table = ev.save_report(ev.json_safe(report), os.path.join(args.output_dir, "eval"))
     for line in table.splitlines():

@@ -311,7 +311,8 @@ def add_intervals(drafts: dict, seed: int) -> None:
 def markdown_table(report: dict) -> str:
     k = report["num_speculative_tokens"]
     head = ("| draft | acceptance length | 95% interval | vs the first draft | " + " | ".join(f"pos {p + 1}" for p in range(k))
-            + " | drafts | accepted | tok/s spec | tok/s base | speedup | lossless |")
+            + " | weights read per drafted token | c | est. speedup (memory-bound) | drafts | accepted | tok/s spec "
+            "| tok/s base | measured speedup here | lossless |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     base = report["baseline_tokens_per_s"]
     for name, r in report["drafts"].items():
@@ -319,8 +320,17 @@ def markdown_table(report: dict) -> str:
         interval = "{:.3f}-{:.3f}".format(*r["interval_95"]) if "interval_95" in r else "-"
         vs = r.get("vs_first")
         vs = f"{vs['difference']:+.3f} ({vs['interval_95'][0]:+.3f} to {vs['interval_95'][1]:+.3f})" if vs else "-"
-        lines.append(f"| {name} | {r['mean_acceptance_length']:.3f} | {interval} | {vs} | {rates} | {r['drafts']} | {r['accepted_tokens']} | "
-                     f"{r['tokens_per_s']:.1f} | {base:.1f} | {r['tokens_per_s'] / base:.2f}x | {r['lossless']} |")
+        cost = (f"{r['draft_read_per_token']['weights'] / 1e6:.1f}M | {r['c']:.3f} | {r['estimated_speedup']:.2f}x"
+                if "c" in r else "- | - | -")
+        lines.append(f"| {name} | {r['mean_acceptance_length']:.3f} | {interval} | {vs} | {rates} | {cost} | {r['drafts']} | "
+                     f"{r['accepted_tokens']} | {r['tokens_per_s']:.1f} | {base:.1f} | {r['tokens_per_s'] / base:.2f}x | "
+                     f"{r['lossless']} |")
+    v = report.get("verifier_read_per_token")
+    if v:
+        lines += ["", f"c: the weights a drafted token reads over the verifier's per token ({v['weights'] / 1e6:.1f}M, "
+                      f"{v['bytes'] / 1e6:.1f} MB as served; a MoE's active experts only), by bytes as served. Est. "
+                      f"speedup = acceptance length / (1 + {k} c): an estimate for a memory-bound verifier (a large "
+                      "one on a GPU), not a timing; the measured speedup here is of this machine."]
     return "\n".join(lines)
 
 
