@@ -15,6 +15,8 @@
 #          D (ours on orig + regen: every conversation twice, once with each reply; $D_EPOCHS epochs), the
 #          others $EPOCHS epochs; B=0 skips b; all use orig's vocab mapping. Without regenerated data, C trains
 #          on orig (the 2026-12-03 runs a and c).
+#   RW=DIR: where the regenerated rows and their states go ($W/regen; another disk, /dev/shm say, when orig's
+#          states leave too little room: all 17,671 conversations' fp8 states are 52 GB of the machine's 64).
 #   DEADLINE=S: S seconds after the start every training still running is stopped (SIGTERM: 04 checkpoints)
 #          and not retried; its best checkpoint comes back, so a session's GPU time is never overrun.
 #   ABL="NAME ...": beside run a, ablations of docs/quality.md on the same rows, each one flag over the config:
@@ -37,7 +39,7 @@ set -uo pipefail
 W=${W:-/tmp/e3}; N=${N:-17671}; SHARDS=${SHARDS:-8}; RSHARD=${RSHARD:-2000}; REGEN_S=${REGEN_S:-0}
 NREGEN=${NREGEN:-4000}; EPOCHS=${EPOCHS:-3}; PY=${PY:-python3}; CFG=${CFG:-configs/full-size.yaml}; C=${C:-0}
 A=${A:-1}; BENCH=${BENCH:-0}; ABL=${ABL:-}; LONG=${LONG:-0}; LONG_LENS=${LONG_LENS:-32768 16384 8192}
-RPAR=${RPAR:-1}; B=${B:-1}; D_EPOCHS=${D_EPOCHS:-$EPOCHS}; DEADLINE=${DEADLINE:-0}; BENCH_PROMPTS=${BENCH_PROMPTS:-256}
+RW=${RW:-$W/regen}; RPAR=${RPAR:-1}; B=${B:-1}; D_EPOCHS=${D_EPOCHS:-$EPOCHS}; DEADLINE=${DEADLINE:-0}; BENCH_PROMPTS=${BENCH_PROMPTS:-256}
 [ "$ABL" = 1 ] && ABL="ttt5 lk l1 w4"; [ "$ABL" = 0 ] && ABL=
 abl_flags() {  # NAME[+NAME...] -> its 04 flags over the config
   local part
@@ -79,7 +81,7 @@ regen_loop() {  # FROM TO: shards of RSHARD conversations, one at a time (the GP
     local now=$(( $(date +%s) - T0 )); [ $((now + last)) -gt $REGEN_S ] && break
     local b=$((a + RSHARD)); [ $b -gt $end ] && b=$end
     local s=$(date +%s)
-    $PY 01_prepare_dataset.py --config $CFG --data-dir $W/regen --rows $a-$b --regen-chunk $RSHARD \
+    $PY 01_prepare_dataset.py --config $CFG --data-dir $RW --rows $a-$b --regen-chunk $RSHARD \
       > $W/logs/01_regen_$a-$b.out 2>&1 || { say "01 regen $a-$b failed"; break; }
     last=$(( $(date +%s) - s )); say "01 regen $a-$b: ${last}s, $(grep -h 'regenerated [0-9,]* replies' $W/logs/01_regen_$a-$b.out)"
     a=$b
@@ -124,13 +126,13 @@ for abl in $ABL; do train $abl --data-dir $W/orig $(abl_flags $abl) & done
 
 wait "${regen[@]}"; say "regeneration done"
 CDATA=$W/orig
-if ls -d $W/regen/prepared/rows_* > /dev/null 2>&1; then
-  [ "$C" = 1 ] && $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/regen > $W/logs/02_regen.out 2>&1  # c's
-  $PY 03_extract_hidden_states.py --config $CFG --data-dir $W/regen > $W/logs/03_regen.out 2>&1
+if ls -d $RW/prepared/rows_* > /dev/null 2>&1; then
+  [ "$C" = 1 ] && $PY 02_build_vocab_mapping.py --config $CFG --data-dir $RW > $W/logs/02_regen.out 2>&1  # c's
+  $PY 03_extract_hidden_states.py --config $CFG --data-dir $RW > $W/logs/03_regen.out 2>&1
   say "03 regen: $(tail -1 $W/logs/03_regen.out)"
-  [ "$B" = 1 ] && train b --data-dir $W/regen --vocab-mapping-dir $W/orig/vocab_mapping &
-  EPOCHS=$D_EPOCHS train d --data-dir $W/orig $W/regen --vocab-mapping-dir $W/orig/vocab_mapping &
-  CDATA=$W/regen
+  [ "$B" = 1 ] && train b --data-dir $RW --vocab-mapping-dir $W/orig/vocab_mapping &
+  EPOCHS=$D_EPOCHS train d --data-dir $W/orig $RW --vocab-mapping-dir $W/orig/vocab_mapping &
+  CDATA=$RW
 fi
 if [ "$C" = 1 ]; then
   $PY export_speculators_data.py --data-dir $CDATA > $W/logs/export.out 2>&1
@@ -145,6 +147,8 @@ if [ "$C" = 1 ]; then
     say "c: $(tail -1 $W/logs/04_c.out) -> $last" ) &
 fi
 wait
+[ "$RW" != "$W/regen" ] && [ -d $RW/prepared ] && mkdir -p $W/regen && (cd $RW && cp --parents prepared/*/manifest.json \
+  hidden_states/*/manifest.json $W/regen/ 2>/dev/null)  # the manifests of a regen dir kept elsewhere (RW)
 tar -C $W -czf $W/results/logs.tgz logs $(cd $W && ls -d out_*/metrics.jsonl */prepared/*/manifest.json \
   */hidden_states/*/manifest.json 2>/dev/null)
 say "all done"; ls -la $W/results
