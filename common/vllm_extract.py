@@ -12,6 +12,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector, cleanup_hidden_states, extract_from_kv_cache, load_hidden_states)
 
+from common.cli import UserError
 from common.extract import plan_batches, row_file
 
 
@@ -46,6 +47,7 @@ class VllmBackend:
     def __init__(self, verifier: str, aux_layers: list[int], num_layers: int, tensor_parallel_size: int,
                  dtype: str, trust_remote_code: bool, max_len: int):
         from vllm import LLM
+        self.slots = len(aux_layers) + 1  # the aux layers, then the final decoder layer's output
         self.scratch = tempfile.mkdtemp(prefix="vllm-hs-")
         self.llm = LLM(
             model=verifier, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
@@ -81,6 +83,11 @@ def extract_vllm(backend: VllmBackend, rows: dict, out: str, writer, max_tokens:
         for i, res in zip(chunk, results):
             if res["token_ids"].tolist() != rows[i]["input_ids"]:
                 raise RuntimeError(f"vLLM returned states of other tokens for row {i}")
+            if res["hidden_states"].shape[1] != backend.slots:  # an older vLLM dropped one for DeepSeek-family models
+                import vllm
+                raise UserError(f"vLLM {vllm.__version__} returned {res['hidden_states'].shape[1]} hidden-state slots a "
+                                f"token for row {i}, not {backend.slots} ({backend.slots - 1} aux layers and the final "
+                                "layer): use a vLLM with PR #46973 (0.32 has it), or --backend transformers")
             jobs.append((row_file(out, i), rows[i]["input_ids"], res["hidden_states"].to(torch.bfloat16),
                          rows[i]["loss_mask"]))
         writer.submit(jobs, None, lambda n, t=sum(len(rows[i]["input_ids"]) for i in chunk): on_done(n, t))

@@ -183,3 +183,20 @@ def test_extraction_under_a_memory_limit_splits_batches_and_matches(tmp_path, da
             a, b = load_file(out / name), load_file(hs_dir / name)
             assert torch.equal(a["token_ids"], b["token_ids"]), name
             torch.testing.assert_close(a["hidden_states"], b["hidden_states"], rtol=1.6e-2, atol=1e-3, msg=name)
+
+
+def test_a_vllm_that_returns_too_few_slots_is_one_line():
+    """vLLM before PR #46973 stored one state fewer for DeepSeek-family verifiers; that vLLM cannot be installed
+    beside this one, so its answer (the engine's output dict) is written here: 03 must stop on it with one line
+    naming the vLLM needed, not write rows that 04 rejects later."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from common.cli import UserError
+    from common.vllm_extract import extract_vllm
+    rows = {0: {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}}
+    old_vllm = SimpleNamespace(slots=4, run=lambda lists: [
+        {"token_ids": torch.tensor(t), "hidden_states": torch.zeros(len(t), 3, 8)} for t in lists])
+    with pytest.raises(UserError, match="returned 3 hidden-state slots.*not 4.*PR #46973"):
+        extract_vllm(old_vllm, rows, "/nonexistent", None, 64, None)
