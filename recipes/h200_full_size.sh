@@ -68,8 +68,9 @@ train() {  # NAME FLAGS...: 04 on the config, its best checkpoint slimmed into t
     [ -e $W/deadline ] && { say "04 $name stopped at the deadline"; break; }
     say "04 $name failed (try $try): $(grep -h 'Error' $W/logs/04_$name.out | tail -1)"; resume=--resume
   done
-  $PY recipes/slim_checkpoint.py strip $W/out_$name/checkpoints/best $W/slim/$name \
-    && cp $W/out_$name/checkpoints/best/run.json $W/slim/$name/ && tar -C $W/slim -cf $W/results/$name.tar $name \
+  local ckpt=$W/out_$name/checkpoints/best; [ -e $ckpt ] || ckpt=$W/out_$name/checkpoints/latest  # (deadline, epoch 1)
+  $PY recipes/slim_checkpoint.py strip $ckpt $W/slim/$name \
+    && cp $ckpt/run.json $W/slim/$name/ && tar -C $W/slim -cf $W/results/$name.tar $name \
     && split -b 15M -d $W/results/$name.tar $W/results/$name.tar.
   say "04 $name: $(tail -1 $W/logs/04_$name.out)"
 }
