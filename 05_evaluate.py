@@ -126,7 +126,7 @@ def run(args):
             del llm
             gc.collect()
         else:
-            sim.set_draft(load_draft(path))
+            sim.set_draft(load_draft(path, args.trust_remote_code))
             stats = ev.new_stats(args.num_speculative_tokens)
             answers, wall, tokens = ev.answer_one_by_one(
                 lambda ids: sim.generate(ids, args.max_new_tokens, args.num_speculative_tokens, eos, stats),

@@ -108,8 +108,19 @@ def save_servable(model, folder: str) -> None:
     model.save_pretrained(folder, state_dict=state)
 
 
-def load_draft(path: str):
-    """A saved checkpoint, for evaluation."""
-    model = eagle3_class().from_pretrained(path)
-    model.load_verifier_weights()
+def load_draft(path: str, trust_remote_code: bool = False):
+    """A saved checkpoint, for evaluation. Eagle3DraftModel's own from_pretrained and load_verifier_weights read
+    the verifier's config without trust_remote_code (a verifier with remote-only code fails there); this loads
+    the weights through the base class and checks the verifier's sizes with trust passed on."""
+    from speculators.model import DraftVocabMixin
+    from transformers import PreTrainedModel
+
+    from common.verifier import load_text_config
+    cls = eagle3_class()
+    model = PreTrainedModel.from_pretrained.__func__(cls, path, config=cls.config_class.from_pretrained(path))
+    DraftVocabMixin._load_verifier_weights(model)  # noqa: SLF001 - skips Eagle3's config re-read
+    verifier = model.config.speculators_config.verifier.name_or_path
+    hidden = load_text_config(verifier, trust_remote_code).hidden_size
+    if hidden != model.hidden_size:
+        raise UserError(f"{path}: a draft of hidden size {model.hidden_size} for a verifier of {hidden}")
     return model

@@ -119,8 +119,11 @@ def load_verifier_lm(path: str, **kwargs):
     class, which answers text prompts the same way."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    config = AutoConfig.from_pretrained(path, trust_remote_code=kwargs.get("trust_remote_code", False))
-    remote = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    trust = kwargs.get("trust_remote_code", False)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+    # the hub's auto_map names remote code (Kimi-K2.5's names AutoModelForCausalLM); it is used only when trusted,
+    # and resolve_verifier drops trust for a type transformers has natively
+    remote = trust and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
     causal = remote or config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     return load_verifier_weights(AutoModelForCausalLM if causal else AutoModelForImageTextToText, path, **kwargs)
 

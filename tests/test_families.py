@@ -20,6 +20,9 @@ MLA = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_
            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, eos_token_id=2, pad_token_id=2,
            bos_token_id=1, max_position_embeddings=4096, tie_word_embeddings=False)
 FAMILIES = ["llama", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25"]
+KIMI_K25_AUTO_MAP = {"AutoConfig": "configuration_kimi_k25.KimiK25Config",  # as the hub's config.json has it
+                     "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
+                     "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"}
 
 
 def build(name: str, vocab: int):
@@ -47,6 +50,10 @@ def test_every_stage_runs_on_the_family(tmp_path, tokenizer, family):
     verifier, data, out = tmp_path / family, tmp_path / "data", tmp_path / "out"
     build(family, len(tokenizer)).save_pretrained(verifier)
     tokenizer.save_pretrained(verifier)
+    if family == "kimi_k25":  # the hub's config names its remote code; transformers' native classes serve it
+        config = json.loads((verifier / "config.json").read_text())
+        config["auto_map"] = KIMI_K25_AUTO_MAP
+        (verifier / "config.json").write_text(json.dumps(config))
     if family == "kimi_k25":  # the hub's layout: the language model under language_model.*, a vision tower beside
         from safetensors import safe_open
         with safe_open(str(verifier / "model.safetensors"), "pt") as f:
@@ -92,6 +99,53 @@ def test_remote_code_is_not_used_where_transformers_has_native_classes(tmp_path,
     assert "native classes for 'llama'" in log
     stage("02_build_vocab_mapping.py", *v, "--data-dir", data, "--draft-vocab-size", 256)
     stage("03_extract_hidden_states.py", *v, "--data-dir", data, "--max-tokens-per-batch", 1024)
+
+
+REMOTE_CONFIG = """from transformers import LlamaConfig
+
+
+class HubConfig(LlamaConfig):
+    model_type = "hub_llama"
+"""
+REMOTE_MODEL = """from transformers import LlamaForCausalLM, LlamaModel
+
+from .configuration_hub import HubConfig
+
+
+class HubModel(LlamaModel):
+    config_class = HubConfig
+
+
+class HubForCausalLM(LlamaForCausalLM):
+    config_class = HubConfig
+"""
+
+
+@pytest.mark.slow
+def test_a_verifier_with_remote_code_only_runs_every_stage_with_the_trust_flag(tmp_path, tokenizer):
+    """A model type transformers does not know, its code beside its weights: --trust-remote-code carries it
+    through every stage, the draft loading of 05 included (speculators reads the verifier's config without it)."""
+    verifier, data, out = tmp_path / "hub", tmp_path / "data", tmp_path / "out"
+    build("llama", len(tokenizer)).save_pretrained(verifier)
+    tokenizer.save_pretrained(verifier)
+    config = json.loads((verifier / "config.json").read_text())
+    config.update(model_type="hub_llama", architectures=["HubForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_hub.HubConfig", "AutoModel": "modeling_hub.HubModel",
+                            "AutoModelForCausalLM": "modeling_hub.HubForCausalLM"})
+    (verifier / "config.json").write_text(json.dumps(config))
+    (verifier / "configuration_hub.py").write_text(REMOTE_CONFIG)
+    (verifier / "modeling_hub.py").write_text(REMOTE_MODEL)
+    v = ["--verifier-path", verifier, "--trust-remote-code"]
+    stage("01_prepare_dataset.py", *v, "--data-dir", data, "--num-samples", 8, "--max-seq-len", 128)
+    stage("02_build_vocab_mapping.py", *v, "--data-dir", data, "--draft-vocab-size", 256)
+    stage("03_extract_hidden_states.py", *v, "--data-dir", data, "--max-tokens-per-batch", 1024)
+    stage("04_train.py", *v, "--data-dir", data, "--output-dir", out, "--max-steps", 2, "--max-seq-len", 256,
+          "--num-workers", 1, "--val-ratio", 0.25)
+    stage("05_evaluate.py", *v, "--data-dir", data, "--output-dir", out, "--draft-path", out / "checkpoints" / "best",
+          "--backend", "transformers", "--num-prompts", 2, "--max-new-tokens", 8, "--max-turns", 1,
+          "--max-prompt-len", 64)
+    report = read_json(out / "eval" / "eval.json")["drafts"]
+    assert len(report) == 1 and all(r["lossless"] is True for r in report.values())
 
 
 def test_slot_decoding_is_offered_to_the_families_it_can_step(tokenizer):
