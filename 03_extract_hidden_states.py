@@ -14,8 +14,8 @@ from common.extract import RowWriter, TransformersBackend, extract_transformers,
 from common.log import Progress, log
 from common.manifest import (atomic_write_json, find_stage_dirs, manifest_hash, output_lock, read_manifest,
                              write_manifest)
-from common.verifier import (check_aux_layers, compute_dtype, default_aux_layers, load_text_config, load_tokenizer,
-                             resolve_verifier, tokenizer_fingerprint, verifier_fingerprint)
+from common.verifier import (check_aux_layers, check_weights, compute_dtype, default_aux_layers, load_text_config,
+                             load_tokenizer, resolve_verifier, tokenizer_fingerprint, verifier_fingerprint)
 
 STAGE = "03_extract_hidden_states"
 
@@ -183,6 +183,7 @@ def run(args):
             raise UserError(f"{folder} was tokenized with another tokenizer than {verifier}'s; "
                             "rerun 01_prepare_dataset.py with this --verifier-path")
     text_config = load_text_config(verifier, args.trust_remote_code)
+    check_weights(verifier, text_config)
     n = text_config.num_hidden_layers
     aux = check_aux_layers(args.layers if args.layers else default_aux_layers(n), n)
     log.info(f"verifier {verifier}: {n} layers, hidden {text_config.hidden_size}; aux layers {aux} + final layer {n}")

@@ -10,7 +10,7 @@ import torch
 from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
 from common.cost import draft_read, estimated_speedup, verifier_read
 from common.log import log
-from common.verifier import load_text_config, load_tokenizer, resolve_verifier
+from common.verifier import check_weights, load_text_config, load_tokenizer, resolve_verifier
 
 STAGE = "05_evaluate"
 
@@ -92,6 +92,7 @@ def run(args):
         raise UserError("--backend transformers simulates greedy decoding only; use --temperature 0")
     verifier = resolve_verifier(args.verifier_path, args)
     text_config = load_text_config(verifier, args.trust_remote_code)
+    check_weights(verifier, text_config)
     drafts = draft_names([args.draft_path, *args.compare])
     for path in drafts.values():
         check_draft(path, text_config)

@@ -8,41 +8,20 @@ and its lm head (one embedding row is nothing); the verifier reads its decoder l
 head (the embedding, if tied), of a MoE only the routed experts a token goes to (top-k of n), and neither a
 vision tower nor the multi-token-prediction layers past num_hidden_layers.
 """
-import glob
-import json
-import os
+import math
 import re
-import struct
 
-from common.cli import UserError
+from common.verifier import NOT_THE_LANGUAGE_MODEL, weight_headers
 
 ELEMENT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
                  "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 FLOAT16_OR_WIDER = {"F64", "F32", "F16", "BF16"}  # served as bf16: 2 bytes a weight
-NOT_READ_BY_THE_LM = re.compile(r"vision|visual|mm_projector|multi_modal_projector|audio")
 LAYER = re.compile(r"\blayers\.(\d+)\.")
 
 
 def tensors(folder: str) -> dict[str, tuple[str, int]]:
-    """name -> (dtype, elements) of every tensor in the folder's safetensors files, from their headers."""
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
-        raise UserError(f"{folder}: no *.safetensors weights to count")
-    out = {}
-    for path in files:
-        with open(path, "rb") as f:
-            try:
-                size = struct.unpack("<Q", f.read(8))[0]
-                header = json.loads(f.read(size))
-            except (struct.error, ValueError) as e:
-                raise UserError(f"{path}: not a readable safetensors file ({e}); copy it again") from None
-        for name, meta in header.items():
-            if name != "__metadata__":
-                elements = 1
-                for d in meta["shape"]:
-                    elements *= d
-                out[name] = (meta["dtype"], elements)
-    return out
+    """name -> (dtype, elements) of every tensor in the folder's safetensors files."""
+    return {name: (dtype, math.prod(shape)) for name, (dtype, shape) in weight_headers(folder).items()}
 
 
 def served_bytes(dtype: str, elements: int) -> int:
@@ -63,7 +42,7 @@ def verifier_read(verifier_path: str, text_config) -> dict:
     layers = text_config.num_hidden_layers
     weights, nbytes, embedding, head = 0.0, 0.0, None, False
     for name, (dtype, elements) in tensors(verifier_path).items():
-        if NOT_READ_BY_THE_LM.search(name):
+        if NOT_THE_LANGUAGE_MODEL.search(name):
             continue
         if (m := LAYER.search(name)) and int(m.group(1)) >= layers:
             continue  # multi-token-prediction layers: not run when decoding

@@ -1,8 +1,12 @@
 """The verifier: the embedded default, its config (nested text_config too), tokenizer and layer ids."""
 import fcntl
+import glob
 import importlib.util
 import json
 import os
+import re
+import struct
+from collections import Counter
 
 from common.cli import UserError
 from common.log import log
@@ -96,6 +100,75 @@ def load_text_config(path: str, trust_remote_code: bool = False):
             raise UserError(f"--verifier-path {path} needs its own code: add --trust-remote-code")
         raise
     return getattr(config, "text_config", None) or config
+
+
+def weight_headers(folder: str) -> dict[str, tuple[str, tuple]]:
+    """name -> (dtype, shape) of every tensor in the folder's safetensors files, read from their headers (nothing
+    is loaded). A sharded checkpoint's index must hold no tensor that its shard lacks."""
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise UserError(f"{folder}: no *.safetensors weights")
+    out = {}
+    for path in files:
+        with open(path, "rb") as f:
+            try:
+                size = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(size))
+            except (struct.error, ValueError) as e:
+                raise UserError(f"{path}: not a readable safetensors file ({e}); copy it again") from None
+        out.update({n: (m["dtype"], tuple(m["shape"])) for n, m in header.items() if n != "__metadata__"})
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            listed = json.load(f).get("weight_map", {})
+        lost = sorted(set(listed) - set(out))
+        if lost:
+            raise UserError(f"{folder}: {len(lost)} weights of its index are in no shard ({', '.join(lost[:3])}): "
+                            "a shard is missing or damaged; copy the checkpoint again")
+    return out
+
+
+NOT_THE_LANGUAGE_MODEL = re.compile(r"vision|visual|mm_projector|multi_modal_projector|audio")
+DECODER_LAYER = re.compile(r"^(?:.*\.)?(?:layers|blocks)\.(\d+)\.(.+)$")
+ROUTED_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+
+
+def check_weights(folder: str, text_config) -> None:
+    """Every decoder layer holds the tensors its peers hold (dense layers as dense ones, MoE layers as MoE ones),
+    in the same shapes, and a MoE layer all its experts: from the headers, before any backend loads. vLLM loads
+    a checkpoint that lacks an expert without a word and runs that expert on whatever its memory held."""
+    n = text_config.num_hidden_layers
+    layers: dict[int, dict] = {}
+    for name, (_, shape) in weight_headers(folder).items():
+        if NOT_THE_LANGUAGE_MODEL.search(name) or not (m := DECODER_LAYER.match(name)) or int(m.group(1)) >= n:
+            continue  # (layers past num_hidden_layers: multi-token prediction, not run when decoding)
+        layers.setdefault(int(m.group(1)), {})[m.group(2)] = shape
+    if not layers:
+        return  # a layout that names its layers otherwise: nothing to compare
+    absent = [i for i in range(n) if i not in layers]
+    if absent:
+        raise UserError(f"--verifier-path {folder}: decoder layers {absent[:5]} of {n} have no weights: the checkpoint "
+                        "is incomplete; copy it again")
+    kinds: dict[bool, list[int]] = {}
+    for i, tensors in layers.items():
+        kinds.setdefault(any(".experts." in "." + k for k in tensors), []).append(i)  # (not .shared_experts.)
+    experts = getattr(text_config, "n_routed_experts", None) or getattr(text_config, "num_experts", None)
+    for moe, members in kinds.items():
+        # the reference is the layout most layers share (the fullest one on a tie: a tensor lost is the usual fault)
+        shapes = Counter(frozenset(layers[i].items()) for i in members)
+        reference = dict(max(shapes, key=lambda k: (shapes[k], len(k))))
+        for i in sorted(members):
+            missing = sorted(set(reference) - set(layers[i]))
+            reshaped = sorted(k for k in reference if k in layers[i] and layers[i][k] != reference[k])
+            if missing or reshaped:
+                what = (f"lacks {', '.join(missing[:3])}" if missing else
+                        f"has {reshaped[0]} of shape {list(layers[i][reshaped[0]])}, not {list(reference[reshaped[0]])}")
+                raise UserError(f"--verifier-path {folder}: decoder layer {i} {what}, unlike its {len(members) - 1} "
+                                "peers: the checkpoint is damaged or mixed; copy it again")
+        found = {int(m.group(1)) for k in reference if (m := ROUTED_EXPERT.search("." + k))}
+        if moe and experts and found and len(found) != experts:
+            raise UserError(f"--verifier-path {folder}: MoE layers hold {len(found)} experts, config.json says "
+                            f"{experts}: the checkpoint is incomplete; copy it again")
 
 
 def load_verifier_weights(model_class, path: str, **kwargs):

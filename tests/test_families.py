@@ -6,6 +6,7 @@ vision tower). vLLM's 05 runs the Llama family with tensor parallel 2 in test_ev
 left to the transformers backend here (MLA verifiers with an EAGLE-3 draft do not run on vLLM's CPU build,
 and every extra engine costs CI minutes)."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -153,3 +154,40 @@ def test_slot_decoding_is_offered_to_the_families_it_can_step(tokenizer):
     from common.slot_decode import supported
     assert {f: supported(build(f, len(tokenizer))) for f in FAMILIES} == {
         "llama": True, "qwen3": True, "qwen3_moe": True, "deepseek_v3": False, "kimi_k25": False}
+
+
+def damage(folder, drop: str | None = None, reshape: str | None = None) -> None:
+    """Rewrite the checkpoint's one shard without the first tensor whose name holds `drop`, or with the first
+    holding `reshape` cut by one row: what a bad copy or a mixed checkpoint leaves."""
+    from safetensors.torch import load_file, save_file
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    if drop:
+        del tensors[next(n for n in tensors if drop in n)]
+    if reshape:
+        name = next(n for n in tensors if reshape in n)
+        tensors[name] = tensors[name][:-1].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("family,drop,reshape,words", [
+    ("llama", "layers.3.self_attn.k_proj", None, "decoder layer 3 lacks self_attn.k_proj.weight"),
+    ("llama", None, "layers.4.mlp.up_proj", "decoder layer 4 has mlp.up_proj.weight of shape [127, 64]"),
+    ("kimi_k25", "blocks.2.mlp.experts.3.up_proj", None, "decoder layer 2 lacks mlp.experts.3.up_proj.weight"),
+])
+def test_missing_or_mismatched_verifier_weights_are_one_line_in_every_backend(tmp_path, tokenizer, data_dir, family,
+                                                                            drop, reshape, words):
+    """03 and 05 on both backends check the checkpoint's tensors before loading it (vLLM would run a lost expert on
+    whatever its memory held, and 05 still report lossless): one line naming the layer, exit 2, no engine started."""
+    from conftest import assert_user_error
+    verifier = tmp_path / family
+    build(family, len(tokenizer)).save_pretrained(verifier)
+    tokenizer.save_pretrained(verifier)
+    damage(verifier, drop, reshape)
+    shutil.copytree(data_dir / "prepared", tmp_path / "data" / "prepared")  # 03 must write nowhere shared
+    v = ["--verifier-path", verifier]
+    for backend in ("transformers", "vllm") if family == "kimi_k25" else ("transformers",):  # the check precedes both
+        assert_user_error(stage("03_extract_hidden_states.py", *v, "--data-dir", tmp_path / "data", "--backend",
+                                backend, check=False), words)
+        assert_user_error(stage("05_evaluate.py", *v, "--backend", backend, "--draft-path", tmp_path / "none",
+                                "--output-dir", tmp_path / "out", check=False), words)
