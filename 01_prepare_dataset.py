@@ -3,6 +3,7 @@
 import os
 import random
 import time
+from collections import Counter
 
 from common.cli import UserError, add_verifier_flags, parse_rows, run_stage, stage_parser
 from common.data import is_held_out, load_records, normalize, prepare_rows
@@ -25,6 +26,11 @@ def build_parser():
     p.add_argument("--num-samples", type=int, help="take the first N conversations (same as --rows 0-N)")
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffle of the conversation list")
     p.add_argument("--no-shuffle", action="store_true", help="keep the source order")
+    p.add_argument("--reasoning", choices=["train", "drop"], default="train",
+                   help="replies' reasoning (a reasoning_content field, or an inline <think> block): train on it "
+                        "where the chat template renders it, as the verifier generates it when it serves with "
+                        "reasoning on (Kimi-K2.5's and Qwen3's default), or drop it from every reply (a verifier "
+                        "served without reasoning); the log counts the conversations changed either way")
     g = p.add_argument_group("regeneration: every assistant reply rewritten by the verifier, turn by turn")
     g.add_argument("--regenerate", choices=["none", "vllm", "transformers"], default="none",
                    help="backend that regenerates the replies (vllm: what you serve with; transformers: batched "
@@ -104,7 +110,9 @@ def prepare_shard(args, selected, a, b, tokenizer, verifier, start, notes):
                                             verifier_fingerprint(load_text_config(verifier, args.trust_remote_code)),
                                             os.path.join(args.data_dir, "regenerated", f"rows_{a}-{b}"), args)
     progress = Progress(len(selected), "rows")
-    rows, dropped = prepare_rows(tokenizer, selected, args.max_seq_len, on_row=progress.update)
+    changed = Counter()
+    rows, dropped = prepare_rows(tokenizer, selected, args.max_seq_len, on_row=progress.update, reasoning=args.reasoning,
+                                 changed=changed)
     progress.close()
     if not rows:
         raise UserError(f"no usable rows in {args.dataset} rows {a}-{b} (dropped: {dict(dropped)}); "
@@ -115,7 +123,7 @@ def prepare_shard(args, selected, a, b, tokenizer, verifier, start, notes):
     total = sum(r["seq_len"] for r in rows)
     assistant = sum(sum(r["loss_mask"]) for r in rows)
     counts = {"conversations": len(selected), "rows": len(rows), "total_tokens": total,
-              "assistant_tokens": assistant, "dropped": dict(dropped),
+              "assistant_tokens": assistant, "dropped": dict(dropped), "changed": dict(changed),
               "max_row_tokens": max(r["seq_len"] for r in rows),
               **({"regeneration": regen_counts} if regen_counts is not None else {}), **notes}
     out = os.path.join(args.data_dir, "prepared", f"rows_{a}-{b}")
@@ -127,7 +135,7 @@ def prepare_shard(args, selected, a, b, tokenizer, verifier, start, notes):
                        inputs={"dataset": args.dataset, "verifier_path": verifier,
                                "tokenizer_hash": tokenizer_fingerprint(tokenizer),
                                "vocab_size": len(tokenizer)}, rows=[a, b])
-    log.info(f"dropped by reason: {dict(dropped) or 'none'}")
+    log.info(f"dropped by reason: {dict(dropped) or 'none'}; changed by reason: {dict(changed) or 'none'}")
     return (f"wrote {out}: {len(rows):,} rows, {total:,} total tokens, {assistant:,} assistant tokens, "
             f"{sum(dropped.values())} dropped")
 

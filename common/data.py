@@ -123,6 +123,9 @@ def normalize(record) -> list[dict] | str:
             return "unknown_shape"
         if str(role).lower() not in ROLE_MAP or not isinstance(content, str):
             return "unknown_role"
+        reasoning = turn.get("reasoning_content", turn.get("reasoning"))
+        if ROLE_MAP[str(role).lower()] == "assistant" and isinstance(reasoning, str) and reasoning.strip():
+            content = inline_reasoning(reasoning, content)
         messages.append({"role": ROLE_MAP[str(role).lower()], "content": content,  # regenerated: trained_chars
                          **({"trained_chars": turn["trained_chars"]} if turn.get("trained_chars") is not None else {})})
     # ShareGPT splits long chats, so a fragment may open with the assistant: its leading assistant turns
@@ -134,9 +137,10 @@ def normalize(record) -> list[dict] | str:
     return messages
 
 
-def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]] | None:
-    """The rendered conversation and the character spans of each assistant reply plus its end-of-turn token,
-    or None where a reply cannot be found in the rendering (the conversation is then dropped, counted).
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]], int] | None:
+    """The rendered conversation, the character spans of each assistant reply plus its end-of-turn token, and
+    how many replies the template rendered without their reasoning; or None where a reply cannot be found in
+    the rendering (the conversation is then dropped, counted).
 
     A reply's span is what rendering the conversation up to and including that reply adds after
     rendering it up to the reply's generation prompt, with trailing whitespace (the newline that
@@ -148,7 +152,7 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
 
     text = render(messages, False)
-    spans = []
+    spans, left_out = [], 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or not m["content"].strip():
             continue
@@ -158,22 +162,55 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
             start, end = len(before), len(through.rstrip())
             content_at = through.find(m["content"], start)
         else:
-            start = content_at = in_place(text, render(messages[:i], False) if i else "", m["content"])
+            reply = m["content"]
+            start = content_at = in_place(text, render(messages[:i], False) if i else "", reply)
+            if start < 0 and THINK_END in reply:  # reasoning templates drop it from replies before the last question
+                reply = answer_part(reply)
+                start = content_at = in_place(text, render(messages[:i], False) if i else "", reply)
+                left_out += start >= 0
             if start < 0:
                 return None
             # the end-of-turn: what follows the reply when it is the last turn rendered
-            last = through.rfind(m["content"].strip())
+            last = through.rfind(reply.strip())
             if last < 0:
                 return None
-            tail = through[last + len(m["content"].strip()):].rstrip()
-            end = content_at + len(m["content"].strip())
+            tail = through[last + len(reply.strip()):].rstrip()
+            end = content_at + len(reply.strip())
             if not text.startswith(tail, end):
                 return None
             end += len(tail)
         if m.get("trained_chars") is not None:  # a regenerated reply whose tail (or end-of-turn) is not the verifier's
             end = content_at + m["trained_chars"]
         spans.append((start, end))
-    return text, spans
+    return text, spans, left_out
+
+
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def inline_reasoning(reasoning: str, content: str) -> str:
+    """A reply's reasoning as the verifier generates it, before the answer: reasoning templates (Qwen3, Kimi)
+    parse it back out of the content, others render it as the text it is."""
+    return f"{THINK_START}\n{reasoning.strip()}\n{THINK_END}\n\n{content.lstrip()}"
+
+
+def answer_part(content: str) -> str:
+    return content.split(THINK_END)[-1].lstrip()
+
+
+def without_reasoning(messages: list[dict]) -> list[dict] | None:
+    """The conversation with every reply's <think> block removed (01 --reasoning drop), or None if it has none."""
+    out, changed = [], False
+    for m in messages:
+        if m["role"] == "assistant" and THINK_END in m["content"]:
+            answer = answer_part(m["content"])
+            removed = len(m["content"]) - len(answer)
+            m = {**m, "content": answer}
+            if m.get("trained_chars") is not None:  # a regenerated reply trained up to a point: the same point
+                m["trained_chars"] = max(0, m["trained_chars"] - removed)
+            changed = True
+        out.append(m)
+    return out if changed else None
 
 
 def in_place(text: str, prefix: str, content: str) -> int:
@@ -184,11 +221,16 @@ def in_place(text: str, prefix: str, content: str) -> int:
     return at if at >= 0 else text.find(content.strip(), len(prefix))
 
 
-def tokenize_with_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]] | None:
+def tokenize_with_mask(tokenizer, messages: list[dict], changed: Counter | None = None
+                       ) -> tuple[list[int], list[int]] | None:
+    """Token ids and the loss mask of a conversation; `changed` counts a conversation whose template left out
+    the reasoning of earlier replies (as the verifier sees its history when it serves)."""
     placed = assistant_spans(tokenizer, messages)
     if placed is None:
         return None
-    text, spans = placed
+    text, spans, left_out = placed
+    if left_out and changed is not None:
+        changed["reasoning_left_out_by_template"] += 1
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [0] * len(enc["input_ids"])
     for j, (start, _end) in enumerate(enc["offset_mapping"]):
@@ -209,16 +251,22 @@ def load_prepared(folder: str):
                         "01_prepare_dataset.py for its --rows") from None
 
 
-def prepare_rows(tokenizer, records: list, max_seq_len: int, on_row=None):
+def prepare_rows(tokenizer, records: list, max_seq_len: int, on_row=None, reasoning: str = "train",
+                 changed: Counter | None = None):
     """Row dicts and drops counted by reason, from (conversation id, record or the reason it is
-    unusable). `on_row` is called once per record (progress)."""
+    unusable). `reasoning` "drop" removes the <think> blocks of replies; `changed` counts the conversations
+    whose reasoning was removed or left out. `on_row` is called once per record (progress)."""
     dropped = Counter()
+    changed = Counter() if changed is None else changed
     rows = []
     for index, record in records:
         messages = record if isinstance(record, str) else normalize(record)
+        if not isinstance(messages, str) and reasoning == "drop" and (plain := without_reasoning(messages)):
+            messages = plain
+            changed["reasoning_dropped"] += 1
         if isinstance(messages, str):
             dropped[messages] += 1
-        elif (tokenized := tokenize_with_mask(tokenizer, messages)) is None:
+        elif (tokenized := tokenize_with_mask(tokenizer, messages, changed)) is None:
             dropped["mask_not_placed"] += 1  # a reply the chat template does not render as written
         else:
             ids, mask = tokenized

@@ -2,6 +2,7 @@
 import json
 import os
 import sys
+from collections import Counter
 
 import pytest
 
@@ -192,3 +193,66 @@ def test_every_shipped_config_passes_every_stage_check(config):
     for script in ("01_prepare_dataset", "02_build_vocab_mapping", "03_extract_hidden_states", "04_train", "05_evaluate"):
         module = stage_module(script)
         assert read_config(module.build_parser(), module.STAGE, os.path.join(ROOT, "configs", config))
+
+
+KIMI_STYLE_TEMPLATE = (  # Kimi-K2's role markers; reasoning rendered after the last question only, as Kimi-K2.5 does
+    "{%- set ns = namespace(last=-1) -%}{%- for m in messages -%}{%- if m.role == 'user' -%}"
+    "{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}<|im_user|>user<|im_middle|>{{ m.content }}<|im_end|>"
+    "{%- elif m.role == 'system' -%}<|im_system|>system<|im_middle|>{{ m.content }}<|im_end|>"
+    "{%- else -%}{%- set content = m.content -%}{%- set reasoning = m.reasoning_content or '' -%}"
+    "{%- if '</think>' in content -%}{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}"
+    "{%- set content = content.split('</think>')[-1] -%}{%- endif -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if loop.index0 > ns.last -%}<think>{{ reasoning }}</think>{%- else -%}<think></think>{%- endif -%}"
+    "{{ content }}<|im_end|>{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}")
+
+
+def reasoning_conversations():
+    """Three turns each: reasoning as a reasoning_content field, and inline in every reply's content."""
+    turns = [("What is 2+2?", "Two and two make four.", "4."), ("And 3+3?", "Three and three make six.", "6."),
+             ("And 4+4?", "Four and four make eight.", "8.")]
+    field, inline = [], []
+    for question, thought, answer in turns:
+        field += [{"role": "user", "content": question},
+                  {"role": "assistant", "content": answer, "reasoning_content": thought}]
+        inline += [{"role": "user", "content": question},
+                   {"role": "assistant", "content": f"<think>\n{thought}\n</think>\n\n{answer}"}]
+    return field, inline
+
+
+@pytest.mark.parametrize("template", ["qwen3", "kimi", "chatml"])
+def test_reasoning_is_trained_or_dropped_on_purpose_and_counted(tokenizer, template):
+    """--reasoning train (the default) trains the reasoning where the template renders it: the last reply's under
+    Qwen3's and a Kimi-style template (they leave earlier replies' reasoning out of the history, as when the verifier
+    serves), every reply's under a template that renders content as it is; --reasoning drop trains none. Either way
+    every conversation becomes a row and the changes are counted, none dropped as mask_not_placed."""
+    import copy
+
+    import vllm
+    verifier_tok = copy.copy(tokenizer)
+    if template == "qwen3":
+        with open(os.path.join(os.path.dirname(vllm.__file__), "transformers_utils", "chat_templates",
+                               "template_minicpmv45.jinja")) as f:
+            verifier_tok.chat_template = f.read()
+    elif template == "kimi":
+        verifier_tok.chat_template = KIMI_STYLE_TEMPLATE
+    field, inline = reasoning_conversations()
+    records = [(0, {"messages": field}), (1, {"messages": inline})]
+    for mode in ("train", "drop"):
+        changed = Counter()
+        rows, dropped = prepare_rows(verifier_tok, records, 4096, reasoning=mode, changed=changed)
+        assert not dropped and len(rows) == 2
+        for row in rows:
+            trained = verifier_tok.decode([i for i, m in zip(row["input_ids"], row["loss_mask"]) if m])
+            for answer in ("4.", "6.", "8."):
+                assert answer in trained
+            kept = [t for t in ("Two and two", "Three and three", "Four and four") if t in trained]
+            if mode == "drop":  # nowhere in the row, trained or not (a template's own empty <think> block may be)
+                assert not any(t in verifier_tok.decode(row["input_ids"]) for t in ("Two and", "Three and", "Four and"))
+            elif template == "chatml":
+                assert kept == ["Two and two", "Three and three", "Four and four"]
+            else:
+                assert kept == ["Four and four"]  # the history holds no reasoning, the last reply does
+        assert changed == ({"reasoning_dropped": 2} if mode == "drop" else
+                           {} if template == "chatml" else {"reasoning_left_out_by_template": 2})
