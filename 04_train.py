@@ -127,7 +127,7 @@ def run(args):
     with output_lock(args.output_dir) if rank0 else contextlib.nullcontext():  # one run writes a folder
         if not args.resume and os.path.exists(os.path.join(args.output_dir, "checkpoints", "latest")):
             raise UserError(f"{args.output_dir} already holds checkpoints: pass --resume to continue, or a new --output-dir")
-        if not args.resume and os.path.exists(metrics):
+        if not args.resume and os.path.exists(metrics) and rank0:  # rank 0 alone writes the metrics
             os.remove(metrics)
         verifier = resolve_verifier(args.verifier_path, args)
         text_config = load_text_config(verifier, args.trust_remote_code)

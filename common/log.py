@@ -17,10 +17,11 @@ def setup_logging(stage: str, log_file: str | None = None) -> None:
         pass
     fmt = logging.Formatter(f"%(asctime)s {stage} %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
     log.handlers.clear()
-    log.setLevel(logging.INFO)
+    rank = int(os.environ.get("RANK", 0))  # under torchrun, rank 0 speaks for the run; the others warn only
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     log.propagate = False
     handlers = [logging.StreamHandler(sys.stdout)]
-    if log_file:
+    if log_file and rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
     if not sys.stdout.isatty():  # library progress bars would flood a tailed log

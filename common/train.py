@@ -78,11 +78,13 @@ class Optimizers:
             opt.load_state_dict(state)
 
 
-def summarize(sums: dict, ttt_steps: int) -> dict:
+def summarize(sums: dict, ttt_steps: int) -> dict | None:
     """Loss and accuracy per TTT position from summed speculators metrics; `acc` is the share of
     positions whose draft tokens up to that position are all right, so 1 + sum(acc) estimates the
     acceptance length."""
     sums = {k: float(v) for k, v in sums.items()}
+    if not sums.get("loss_total"):  # no batch reached any rank (fewer validation rows than a pack needs)
+        return None
     out = {"loss": sums["loss_sum"] / max(sums["loss_total"], 1e-9)}
     out["loss_pos"] = [sums[f"loss_{s}_sum"] / max(sums[f"loss_{s}_total"], 1e-9) for s in range(ttt_steps)]
     out["acc_pos"] = [sums[f"full_acc_{s}_sum"] / max(sums[f"full_acc_{s}_total"], 1e-9) for s in range(ttt_steps)]
@@ -229,10 +231,19 @@ def validate(model, packed, val_rows: list[int], lengths, args, loss_config, dev
         return None
     model.eval()
     sums: dict = {}
-    batches = epoch_batches([lengths[i] for i in val_rows], args.max_seq_len, 0, 0, rank, world)
+    # DDP's forward broadcasts its buffers: ranks with unequal numbers of packs would wait on each other for ever;
+    # validation needs no collective but the one below, so it runs the module itself
+    forward_fn = fn or getattr(model, "module", model)
+    # every validation row once: packed as one process would, the packs dealt out to the ranks (the training
+    # sampler balances ranks by dropping rows, and with fewer rows than ranks dropped them all)
+    batches = epoch_batches([lengths[i] for i in val_rows], args.max_seq_len, 0, 0, 0, 1)[rank::world]
     for batch in packed([[val_rows[i] for i in b] for b in batches]):
-        add_metrics(sums, forward(fn or model, batch, args, loss_config, device, noise=False)[1])
+        add_metrics(sums, forward(forward_fn, batch, args, loss_config, device, noise=False)[1])
     model.train()
+    if world > 1:  # every rank validated its share (none, with fewer rows than ranks): the sums of all
+        shares = [None] * world
+        torch.distributed.all_gather_object(shares, {k: float(v) for k, v in sums.items()})
+        sums = {k: sum(share.get(k, 0.0) for share in shares) for share in shares for k in share}
     return summarize(sums, args.ttt_steps)
 
 
@@ -330,11 +341,11 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     def checkpoint(name: str, val: dict | None) -> None:
         """`best` is the checkpoint with the highest estimated acceptance length (what serving pays for),
         or with --best-by loss the lowest validation loss."""
-        if rank != 0:
-            return
         score = -math.inf if val is None else val["est_accept_len"] if args.best_by == "accept" else -val["loss"]
         is_best = score > pos.best_score
-        pos.best_score = max(pos.best_score, score)
+        pos.best_score = max(pos.best_score, score)  # on every rank: validation is reduced, the score the same
+        if rank != 0:
+            return
         state = {**asdict(pos), "fingerprint": fingerprint, "rng": rng_state(), "val": val, "aux_layers": aux,
                  "verifier": verifier, "args": vars(args)}
         path = save_checkpoint(args.output_dir, name, model, optimizer, state, is_best)

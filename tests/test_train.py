@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -320,3 +321,33 @@ def test_speculators_reads_the_exported_data_dir(tmp_path, data_dir, hs_dir):
         assert item["input_ids"].tolist() == prepared[i]["input_ids"]  # it returns SampleUnavailable on a mismatch
         assert item["loss_mask"].tolist() == prepared[i]["loss_mask"]
         assert item["hidden_states"].shape[-1] == 3 * read_json(hs_dir / "manifest.json")["hidden_size"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("val_ratio", [0.0, 0.01, 0.25])  # no validation row, one (fewer than ranks), sixteen
+def test_torchrun_two_processes_validate_all_rows_as_one_process(tmp_path, data_dir, val_ratio):
+    """torchrun --nproc-per-node 2 (gloo, the CPU): validation is reduced over the ranks, so at the same weights
+    (a learning rate of 1e-12) it gives one process's figures on any number of rows; rank 0 alone writes the
+    metrics and the one summary line, whose best estimate is a number."""
+    common = ["04_train.py", "--data-dir", data_dir, "--max-steps", 2, "--lr", 1e-12, "--max-seq-len", 1024,
+              "--num-workers", 1, "--val-ratio", val_ratio]
+    runs = {}
+    for name, prefix in [("one", []), ("two", ["-m", "torch.distributed.run", "--nproc-per-node", 2])]:
+        out = tmp_path / name
+        if name == "one" and not val_ratio:
+            continue
+        proc = subprocess.run([sys.executable, *map(str, prefix), os.path.join(ROOT, common[0]), *map(str, common[1:]),
+                               "--output-dir", str(out)], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        summaries = [line for line in proc.stdout.splitlines() if "done in" in line]
+        assert len(summaries) == 1 and "-inf" not in summaries[0], summaries
+        assert ("no validation split" in summaries[0]) == (not val_ratio)
+        runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+                      if '"val"' in line]
+        assert (out / "checkpoints" / "best" / "model.safetensors").exists() or not val_ratio
+    if val_ratio:
+        assert len(runs["one"]) == len(runs["two"]) == 1
+        one, two = runs["one"][0], runs["two"][0]
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-4)
+        assert two["acc_pos"] == pytest.approx(one["acc_pos"], abs=1e-4)
