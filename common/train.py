@@ -37,23 +37,38 @@ def lr_scale(step: int, total: int, args) -> float:
     return args.min_lr_ratio + (1 - args.min_lr_ratio) * shape
 
 
+def orthogonalize_float32(grad, ns_coefficients, ns_steps: int, eps: float):
+    """torch's Muon orthogonalization (Newton-Schulz), in float32 rather than bfloat16: a CPU that emulates
+    bfloat16 multiplies it tens of times slower than float32, which made Muon's step most of the step."""
+    a, b, c = ns_coefficients
+    tall = grad.size(0) > grad.size(1)
+    x = grad.float().T if tall else grad.float()
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
 class Optimizers:
     """AdamW over every trainable tensor; or, with --optimizer muon, Muon over the matrices of fc and the
     decoder layer and AdamW over the rest (norms), split as speculators' trainer splits them. Every
     group keeps its peak lr, which the schedule scales."""
 
-    def __init__(self, model, args, fused: bool):
+    def __init__(self, model, args, on_gpu: bool):
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.opts, rest = [], [p for _, p in trainable]
         if args.optimizer == "muon":
             from speculators.train.optimizers import split_named_params_for_muon
             muon, adamw = split_named_params_for_muon(model)
+            if not on_gpu and args.dtype == "float32":
+                torch.optim._muon._zeropower_via_newtonschulz = orthogonalize_float32
             self.opts.append(torch.optim.Muon([p for _, p in muon], lr=args.muon_lr or args.lr, momentum=0.95,
                                               weight_decay=0.1, adjust_lr_fn="match_rms_adamw"))
             rest = [p for _, p in adamw]
         if rest:
             self.opts.append(torch.optim.AdamW(rest, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
-                                               fused=fused))
+                                               fused=on_gpu))
         for g in self.groups:
             g["peak_lr"] = g["lr"]
 
@@ -279,7 +294,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     from speculators.losses import resolve_loss_config
     loss_config = resolve_loss_config(args.loss, args.loss_implementation if on_gpu else "eager")
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = Optimizers(model, args, fused=on_gpu)
+    optimizer = Optimizers(model, args, on_gpu)
     fingerprint = run_fingerprint(args, aux, verifier_hash, model.draft_vocab_size,
                                   getattr(text_config, "intermediate_size", None))
     if rank == 0:

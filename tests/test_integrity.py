@@ -109,7 +109,7 @@ def test_a_verifier_with_missing_weights_is_refused(tmp_path, data_dir, other_ve
     save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
     shutil.copytree(data_dir / "prepared", tmp_path / "data" / "prepared")
     proc = stage("03_extract_hidden_states.py", "--data-dir", tmp_path / "data", "--verifier-path", broken, check=False)
-    assert_user_error(proc, "missing weights", "layers.1.mlp.down_proj.weight")
+    assert_user_error(proc, "decoder layer 1", "mlp.down_proj.weight", "damaged")
     assert not list((tmp_path / "data" / "hidden_states").glob("*/hs_*.safetensors"))
 
 
