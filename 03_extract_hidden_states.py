@@ -11,7 +11,7 @@ import torch
 from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
 from common.data import load_prepared
 from common.extract import RowWriter, TransformersBackend, extract_transformers, file_is_valid, plan_batches, row_file
-from common.log import Progress, log
+from common.log import Progress, fmt_bytes, log
 from common.manifest import (atomic_write_json, find_stage_dirs, manifest_hash, output_lock, read_manifest,
                              write_manifest)
 from common.verifier import (check_aux_layers, check_weights, compute_dtype, default_aux_layers, load_text_config,
@@ -109,9 +109,9 @@ def extract_locked(args, prepared, out, verifier, text_config, aux, tok_hash):
     need = tokens_todo * bytes_per_token
     free = shutil.disk_usage(out).free
     log.info(f"{prepared}: {len(rows) - len(todo)} rows already done, {len(todo)} to do "
-             f"({tokens_todo:,} tokens, about {need / 1e9:.2f} GB; {free / 1e9:.1f} GB free)")
+             f"({tokens_todo:,} tokens, about {fmt_bytes(need)}; {fmt_bytes(free)} free)")
     if need > free and not args.force:
-        raise UserError(f"the output needs about {need / 1e9:.1f} GB but {out} has {free / 1e9:.1f} GB free; "
+        raise UserError(f"the output needs about {fmt_bytes(need)} but {out} has {fmt_bytes(free)} free; "
                         "free space, choose another --data-dir, or pass --force")
     start = time.time()
     if todo:

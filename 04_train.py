@@ -5,6 +5,7 @@ Multi-GPU: torchrun --nproc-per-node N 04_train.py ... (one process per GPU, dat
 """
 import argparse
 import contextlib
+import math
 import os
 
 from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
@@ -94,6 +95,7 @@ def default_vocab_dir(data_dirs: list[str]) -> str:
 
 
 def run(args):
+    from common.checkpoint import checkpoint_entries
     from common.plot import plot_training
     metrics = os.path.join(args.output_dir, "metrics.jsonl")
     if args.plot:
@@ -110,8 +112,18 @@ def run(args):
         raise UserError(f"--max-steps {args.max_steps}: must be at least 1 (leave it out to train --epochs)")
     if not 0 <= args.val_ratio < 1:
         raise UserError(f"--val-ratio {args.val_ratio}: must be in [0, 1)")
-    if args.lr <= 0 or (args.muon_lr is not None and args.muon_lr <= 0):
-        raise UserError(f"--lr {args.lr} / --muon-lr {args.muon_lr}: must be positive")
+    # `not low <= x` rather than `x < low`: NaN fails every comparison
+    for flag, value, low, high in [("--lr", args.lr, 0, math.inf), ("--muon-lr", args.muon_lr, 0, math.inf),
+                                   ("--grad-clip", args.grad_clip, 0, math.inf),
+                                   ("--ttt-loss-decay", args.ttt_loss_decay, 0, math.inf)]:
+        if value is not None and not (low < value < high):
+            raise UserError(f"{flag} {value}: must be a positive number")
+    for flag, value, low, high in [("--weight-decay", args.weight_decay, 0, math.inf),
+                                   ("--noise-std", args.noise_std, 0, math.inf),
+                                   ("--warmup-ratio", args.warmup_ratio, 0, 1), ("--min-lr-ratio", args.min_lr_ratio, 0, 1),
+                                   ("--warmup-steps", args.warmup_steps, 0, math.inf)]:
+        if value is not None and not (low <= value <= high and math.isfinite(value)):
+            raise UserError(f"{flag} {value}: must be " + (f"at least {low}" if high == math.inf else f"in [{low}, {high}]"))
     if args.muon_lr is not None and args.optimizer != "muon":
         raise UserError("--muon-lr sets the Muon group's lr: add --optimizer muon")
     if args.compile_wait and not args.compile:
@@ -125,8 +137,9 @@ def run(args):
     os.makedirs(args.output_dir, exist_ok=True)
     rank0 = int(os.environ.get("RANK", 0)) == 0
     with output_lock(args.output_dir) if rank0 else contextlib.nullcontext():  # one run writes a folder
-        if not args.resume and os.path.exists(os.path.join(args.output_dir, "checkpoints", "latest")):
-            raise UserError(f"{args.output_dir} already holds checkpoints: pass --resume to continue, or a new --output-dir")
+        if not args.resume and checkpoint_entries(args.output_dir):  # `latest` alone may be gone (rsync without -l)
+            raise UserError(f"{args.output_dir}/checkpoints already holds {', '.join(checkpoint_entries(args.output_dir))}: "
+                            "pass --resume to continue, or a new --output-dir")
         if not args.resume and os.path.exists(metrics) and rank0:  # rank 0 alone writes the metrics
             os.remove(metrics)
         verifier = resolve_verifier(args.verifier_path, args)

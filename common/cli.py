@@ -6,6 +6,7 @@ top-level keys (applied to every stage that has that flag) and optional per-stag
 """
 import argparse
 import difflib
+import errno
 import os
 import signal
 import sys
@@ -200,6 +201,14 @@ def run_stage(stage: str, parser: argparse.ArgumentParser, run, argv=None) -> No
         if not e.filename:
             raise
         message = path_error(e)
+        log.error(message)
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+    except Exception as e:  # a full disk, whichever writer met it (safetensors' error carries the OS's words)
+        if getattr(e, "errno", None) != errno.ENOSPC and "No space left on device" not in str(e):
+            raise
+        message = (f"the disk is full ({type(e).__name__}: {str(e).splitlines()[0][:200]}); free space, then rerun "
+                   "the same command: finished parts are kept, nothing half-written is")
         log.error(message)
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)

@@ -6,6 +6,7 @@ order, then the last decoder layer's output before the final norm), `loss_mask` 
 `--hidden-states-dtype fp8`, `hidden_states` is float8_e4m3fn and `hidden_states_scales` [L, 1, 1]
 float32 holds one scale per token: hs-connectors' fp8 format (its FP8Transfer reads it for speculators).
 """
+import contextlib
 import os
 import queue
 import threading
@@ -68,7 +69,12 @@ def save_row(path: str, token_ids, states: torch.Tensor, loss_mask, fp8: bool = 
         tensors["hidden_states"], tensors[SCALES] = quantize_tensor_to_fp8(states)  # hs-connectors' own
     else:
         tensors["hidden_states"] = states.contiguous()
-    save_file(tensors, tmp)
+    try:
+        save_file(tensors, tmp)
+    except BaseException:  # a full disk: leave no part-file taking the space a rerun needs
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     os.replace(tmp, path)
     return os.path.getsize(path)
 

@@ -18,7 +18,7 @@ from hs_connectors.fp8_utils import dequantize_fp8_tensor
 from common.cli import UserError
 from common.data import load_prepared
 from common.extract import SCALES, row_file
-from common.manifest import extracted_from, find_stage_dirs, read_manifest
+from common.manifest import extracted_from, find_stage_dirs, read_manifest, sha256_json
 
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
@@ -212,6 +212,12 @@ def collect_rows(data_dirs, vocab_dir: str, verifier_hash: str, hidden_size: int
             files.append(row_file(folder, i))
             lengths.append(n - 1)  # after the one-token shift
     return files, lengths, aux, folders
+
+
+def rows_fingerprint(folders: list[str]) -> str:
+    """Which rows a run trains on: each folder's name and the prepared rows its states were extracted from."""
+    return sha256_json([[os.path.basename(os.path.normpath(f)),
+                         read_manifest(f, "hidden_states")["inputs"]["prepared_manifest_hash"]] for f in folders])
 
 
 def check_row_file(path: str, tokens: int, n_slots: int, hidden: int) -> None:

@@ -40,6 +40,14 @@ def fmt_duration(seconds: float) -> str:
     return f"{h}h{m}m{s}s" if h else (f"{m}m{s}s" if m else f"{s}s")
 
 
+def fmt_bytes(n: float) -> str:
+    """1.2 GB, 340 MB, 12 kB: enough digits to tell two sizes apart at any scale."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
 def memory_summary() -> str:
     """Peak host RSS and, if a GPU is in use, peak GPU memory."""
     rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux

@@ -1,5 +1,6 @@
 """Stage 04: train the EAGLE-3 draft on extracted hidden states (the loop; the data is in
 common/loader.py, the background compile in common/compiler.py, checkpoints in common/checkpoint.py)."""
+import hashlib
 import json
 import math
 import os
@@ -11,14 +12,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from common.checkpoint import rng_state, save_checkpoint, set_rng_state
+from common.checkpoint import load_resume_state, rng_state, save_checkpoint, set_rng_state
 from common.cli import Stopped, UserError
 from common.compiler import Compiler
 from common.draft import build_draft
 from common.extract import is_oom
-from common.loader import PackedBatches, collect_rows, epoch_batches, split_pack, split_rows
+from common.loader import PackedBatches, collect_rows, epoch_batches, rows_fingerprint, split_pack, split_rows
 from common.log import LAUNCH, fmt_duration, log, memory_summary
-from common.manifest import atomic_write_text, sha256_json
+from common.manifest import atomic_write_text
 from common.verifier import compute_dtype
 
 
@@ -89,8 +90,12 @@ class Optimizers:
         return [opt.state_dict() for opt in self.opts]
 
     def load_state_dict(self, states: list) -> None:
+        """The saved moments and step counts; the peak lr and weight decay stay this run's flags'."""
+        flags = [(g["peak_lr"], g["weight_decay"]) for g in self.groups]
         for opt, state in zip(self.opts, states, strict=True):
             opt.load_state_dict(state)
+        for g, (peak_lr, weight_decay) in zip(self.groups, flags, strict=True):
+            g["peak_lr"], g["weight_decay"] = peak_lr, weight_decay
 
 
 def summarize(sums: dict, ttt_steps: int) -> dict | None:
@@ -130,12 +135,20 @@ def setup_distributed():
 
 
 def keep_metrics_until(path: str, step: int) -> None:
-    """A resumed run replays the steps after its checkpoint: their first records go, so each step is logged once."""
+    """A resumed run replays the steps after its checkpoint: their first records go, so each step is logged once.
+    A line that does not parse (torn by a kill mid-write) goes too, with a warning."""
     if not os.path.exists(path):
         return
+    kept = []
     with open(path) as f:
-        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    atomic_write_text(path, "".join(lines))
+        for number, line in enumerate(f, 1):
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except (ValueError, KeyError, TypeError):
+                if line.strip():
+                    log.warning(f"{path} line {number} is damaged (a write cut short?): dropped")
+    atomic_write_text(path, "".join(kept))
 
 
 def append_metrics(path: str, record: dict) -> None:
@@ -143,15 +156,36 @@ def append_metrics(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def run_fingerprint(args, aux, verifier_hash, draft_vocab, verifier_mlp: int | None) -> str:
-    """What a resumed run must share with the checkpoint it continues (an MLP width equal to the verifier's
-    is the default's: the same draft)."""
-    return sha256_json({"verifier": verifier_hash, "aux": aux, "draft_vocab": draft_vocab, "ttt": args.ttt_steps,
-                        "max_seq_len": args.max_seq_len, "val_ratio": args.val_ratio, "seed": args.seed,
-                        "norms": [args.norm_before_fc, args.norm_output], "optimizer": args.optimizer,
-                        **({"layers": args.draft_layers} if args.draft_layers != 1 else {}),  # old runs stay resumable
-                        **({"mlp": args.draft_intermediate_size}
-                           if args.draft_intermediate_size not in (None, verifier_mlp) else {})})
+def resume_settings(args, aux, verifier_hash: str, data_hash: str, vocab_hash: str, verifier_mlp: int | None) -> dict:
+    """Everything that changes what a run computes, by the name a refusal shows: a resumed run must match its
+    checkpoint in each. What is left out (the lr, epochs, --max-steps, weight decay, logging, dtype, workers)
+    may change on resume, and takes effect."""
+    return {"verifier": verifier_hash, "rows (--data-dir)": data_hash, "vocab mapping (d2t.npy)": vocab_hash,
+            "aux layers": aux, "--ttt-steps": args.ttt_steps, "--ttt-loss-decay": args.ttt_loss_decay,
+            "--loss": args.loss, "--max-seq-len": args.max_seq_len, "--grad-accum": args.grad_accum,
+            "--val-ratio": args.val_ratio, "--seed": args.seed, "--noise-std": args.noise_std,
+            "--norm-before-fc": args.norm_before_fc, "--norm-output": args.norm_output, "--optimizer": args.optimizer,
+            "--draft-layers": args.draft_layers, "--draft-intermediate-size": args.draft_intermediate_size or verifier_mlp,
+            "--scheduler": args.scheduler, "--warmup-steps": args.warmup_steps, "--warmup-ratio": args.warmup_ratio,
+            "--min-lr-ratio": args.min_lr_ratio, "--grad-clip": args.grad_clip}
+
+
+def check_resume(folder: str, ckpt: dict, settings: dict, args) -> None:
+    """Refuse a resume that would compute another run than the checkpoint's, naming the setting; log the
+    flags that changed and take effect."""
+    if "settings" not in ckpt:
+        log.warning(f"{folder} was written before 04 saved its settings: they cannot be compared with this run's")
+    for name, value in settings.items():
+        saved = ckpt.get("settings", {}).get(name, value)
+        if saved != value:
+            what = f"another {name}" if name[0] != "-" else f"{name} {saved} (this run: {value})"
+            raise UserError(f"{folder} was trained with {what}: a resumed run must compute the same run; "
+                            f"{'pass the same value' if name[0] == '-' else 'restore it'}, or use a new --output-dir")
+    old_args = ckpt.get("args", {})
+    changed = [f"--{k.replace('_', '-')} {old_args[k]} -> {v}" for k, v in sorted(vars(args).items())
+               if k in old_args and old_args[k] != v and k not in ("resume", "output_dir", "data_dir")]
+    if changed:
+        log.info(f"resumed with changed flags, in effect from here: {', '.join(changed)}")
 
 
 @dataclass
@@ -295,8 +329,10 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     loss_config = resolve_loss_config(args.loss, args.loss_implementation if on_gpu else "eager")
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = Optimizers(model, args, on_gpu)
-    fingerprint = run_fingerprint(args, aux, verifier_hash, model.draft_vocab_size,
-                                  getattr(text_config, "intermediate_size", None))
+    with open(os.path.join(args.vocab_mapping_dir, "d2t.npy"), "rb") as f:
+        vocab_hash = hashlib.sha256(f.read()).hexdigest()[:16]
+    settings = resume_settings(args, aux, verifier_hash, rows_fingerprint(folders), vocab_hash,
+                               getattr(text_config, "intermediate_size", None))
     if rank == 0:
         log.info(f"{len(files)} rows from {len(folders)} folder(s): {len(train_rows)} train, {len(val_rows)} val; "
                  f"aux layers {aux}; draft vocab {model.draft_vocab_size}; "
@@ -313,18 +349,15 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
 
     # ------------------------------------------------ resume: weights, optimizer, position, data order, RNG
     pos = Position()
-    latest = os.path.join(args.output_dir, "checkpoints", "latest")
-    if args.resume and os.path.exists(latest):
-        ckpt = torch.load(os.path.join(latest, "training_state.pt"), map_location="cpu", weights_only=False)
-        if ckpt["fingerprint"] != fingerprint:
-            raise UserError(f"{os.path.realpath(latest)} was trained with another verifier, layers, vocab, --ttt-steps, "
-                            "--max-seq-len, --val-ratio, --seed, norms, --optimizer, --draft-layers or "
-                            "--draft-intermediate-size; use a new --output-dir")
+    found = load_resume_state(args.output_dir) if args.resume else None
+    if found:
+        folder, ckpt = found
+        check_resume(folder, ckpt, settings, args)
         model.load_state_dict(ckpt["model"], strict=False)
         optimizer.load_state_dict(ckpt["optimizer"])
         pos = Position(**{k: ckpt[k] for k in asdict(pos)})
         set_rng_state(ckpt["rng"])
-        log.info(f"resumed from {os.path.realpath(latest)}: epoch {pos.epoch}, step {pos.step}")
+        log.info(f"resumed from {os.path.realpath(folder)}: epoch {pos.epoch}, step {pos.step}")
         if rank == 0:
             keep_metrics_until(metrics_path, pos.step)
     elif args.resume:
@@ -361,7 +394,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         pos.best_score = max(pos.best_score, score)  # on every rank: validation is reduced, the score the same
         if rank != 0:
             return
-        state = {**asdict(pos), "fingerprint": fingerprint, "rng": rng_state(), "val": val, "aux_layers": aux,
+        state = {**asdict(pos), "settings": settings, "rng": rng_state(), "val": val, "aux_layers": aux,
                  "verifier": verifier, "args": vars(args)}
         path = save_checkpoint(args.output_dir, name, model, optimizer, state, is_best)
         log.info(f"saved {path}{' (best so far)' if is_best else ''}")

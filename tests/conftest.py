@@ -164,6 +164,11 @@ def read_json(path):
         return json.load(f)
 
 
+def records(out, split: str) -> list[dict]:
+    """04's metrics.jsonl records of one split (train or val)."""
+    return [json.loads(line) for line in open(out / "metrics.jsonl") if json.loads(line)["split"] == split]
+
+
 def stage_module(script: str):
     """A numbered stage script (its name starts with a digit) imported as a module, for its parser and helpers."""
     import importlib.util

@@ -1,5 +1,6 @@
 """Moved data and stale artifacts: a data dir copied elsewhere still trains on its own rows; a rerun of
 01 makes the states downstream stale, which 04 refuses (naming 03) and 03 redoes."""
+import contextlib
 import json
 import os
 import shlex
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import HANG_GUARD_S, ROOT, ROWS, SEQ, assert_user_error, kill, read_json, stage
+from conftest import HANG_GUARD_S, ROOT, ROWS, SEQ, assert_user_error, kill, read_json, records, stage
 
 QUICK_TRAIN = ["--max-steps", 2, "--max-seq-len", 1024, "--num-workers", 1, "--val-ratio", 0.1]
 
@@ -97,6 +98,83 @@ def test_sigterm_saves_a_checkpoint_and_the_named_command_resumes(tmp_path, data
     again = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
     assert "already finished at step 24" in again.stdout + again.stderr
     assert metrics.read_text().count('"train"') == 24
+
+
+def test_resume_is_the_same_run_and_finds_its_checkpoints(tmp_path, data_dir):
+    """--resume refuses a setting that changes what the run computes (naming it), applies one that may change
+    (the lr), and never starts over on top of checkpoints: a missing `latest` resumes from the newest
+    checkpoint, a damaged newest one falls back to the one before, a torn metrics line is dropped."""
+    import numpy as np
+    import torch
+    out = tmp_path / "out"
+    run = ["--data-dir", data_dir, "--output-dir", out, "--max-seq-len", 512, "--num-workers", 1, "--val-ratio", 0,
+           "--log-every", 1, "--save-every", 1]
+    stage("04_train.py", *run, "--max-steps", 2)
+    assert_user_error(stage("04_train.py", *run, "--resume", "--max-steps", 3, "--grad-accum", 2, check=False),
+                      "--grad-accum 1 (this run: 2)", "new --output-dir")
+    # another mapping of the same size: one draft token swapped for another verifier token
+    other = tmp_path / "vm_other"
+    shutil.copytree(data_dir / "vocab_mapping", other)
+    t2d = np.load(other / "t2d.npy")
+    t2d[np.flatnonzero(t2d)[-1]], t2d[np.flatnonzero(~t2d)[0]] = False, True
+    np.save(other / "t2d.npy", t2d)
+    np.save(other / "d2t.npy", np.flatnonzero(t2d) - np.arange(t2d.sum()))
+    assert_user_error(stage("04_train.py", *run, "--resume", "--max-steps", 3, "--vocab-mapping-dir", other, check=False),
+                      "another vocab mapping")
+    log = stage("04_train.py", *run, "--resume", "--max-steps", 3, "--lr", 5e-3).stdout
+    assert "resumed with changed flags" in log and "--lr 0.0003 -> 0.005" in log
+    assert records(out, "train")[-1]["step"] == 3 and records(out, "train")[-1]["lr"] > 3e-4  # the new peak, scaled by the schedule
+
+    (out / "checkpoints" / "latest").unlink()  # as after `rsync -r` without -l
+    assert_user_error(stage("04_train.py", *run, "--max-steps", 4, check=False), "step_3", "--resume")
+    log = stage("04_train.py", *run, "--resume", "--max-steps", 4).stdout
+    assert "latest is missing" in log and f"resumed from {os.path.realpath(out / 'checkpoints' / 'step_3')}" in log
+
+    state = out / "checkpoints" / "step_4" / "training_state.pt"
+    state.write_bytes(state.read_bytes()[:state.stat().st_size // 2])
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"split": "train", "st')  # a write cut short
+    log = stage("04_train.py", *run, "--resume", "--max-steps", 5).stdout
+    assert "the newer step_4" in log and f"resumed from {os.path.realpath(out / 'checkpoints' / 'step_3')}" in log
+    assert "metrics.jsonl line" in log and "dropped" in log
+    assert [r["step"] for r in records(out, "train")] == [1, 2, 3, 4, 5]  # step 4 once: its replay replaced the first
+    assert torch.load(out / "checkpoints" / "latest" / "training_state.pt", weights_only=False)["step"] == 5
+
+
+@contextlib.contextmanager
+def small_disk(path, mib: int):
+    """A real filesystem of `mib` MiB (tmpfs; mounting needs root, as CI has)."""
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield lambda size: subprocess.run(["mount", "-o", f"remount,size={size}m", str(path)], check=True)
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_full_disk_is_one_line_and_the_rerun_continues(tmp_path, data_dir):
+    """03 and 04 meet a full disk (03 writing states, 04 saving a checkpoint): one line saying so, no part-file
+    left taking the space; after space is freed the same command (04: with --resume) finishes."""
+    with small_disk(tmp_path / "disk", 8) as grow:
+        data = tmp_path / "disk" / "data"
+        shutil.copytree(data_dir / "prepared", data / "prepared")
+        proc = stage("03_extract_hidden_states.py", "--data-dir", data, "--max-tokens-per-batch", 2048, "--force",
+                     check=False)  # --force: past the free-space check before extraction
+        assert_user_error(proc, "disk is full", "rerun")
+        assert not list(data.rglob("*.tmp*"))
+        grow(200)
+        stage("03_extract_hidden_states.py", "--data-dir", data, "--max-tokens-per-batch", 2048)
+
+    with small_disk(tmp_path / "disk2", 4) as grow:
+        out = tmp_path / "disk2" / "out"
+        train = ["--data-dir", data_dir, "--output-dir", out, "--max-steps", 1, "--max-seq-len", 512, "--val-ratio", 0,
+                 "--num-workers", 1]
+        assert_user_error(stage("04_train.py", *train, check=False), "is full", "saving step_1", "--resume")
+        assert not list((out / "checkpoints").iterdir())
+        grow(200)
+        stage("04_train.py", *train, "--resume")
+        assert (out / "checkpoints" / "latest" / "model.safetensors").exists()
 
 
 def test_a_verifier_with_missing_weights_is_refused(tmp_path, data_dir, other_verifier):
