@@ -99,6 +99,7 @@ def extract_locked(args, prepared, out, verifier, text_config, aux, tok_hash):
         os.remove(done_path)
         for path in glob.glob(os.path.join(out, "hs_*.safetensors")):
             os.remove(path)
+    prepared_hash = manifest_hash(prepared)  # taken before the rows are read: 01 rewriting them meanwhile is caught
     ds = load_prepared(prepared)
     rows = {i: {"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for i, r in enumerate(ds)}
     n_slots, hidden = len(aux) + 1, text_config.hidden_size
@@ -147,6 +148,9 @@ def extract_locked(args, prepared, out, verifier, text_config, aux, tok_hash):
         writer.close()
         progress.close()
     wall = time.time() - start
+    if manifest_hash(prepared) != prepared_hash:
+        raise UserError(f"{prepared} was rewritten (01_prepare_dataset.py ran) while these states were extracted: "
+                        f"they are of the old rows; rerun 03_extract_hidden_states.py once 01 has finished")
     total_bytes = sum(os.path.getsize(row_file(out, i)) for i in rows)
     total_tokens = sum(len(r["input_ids"]) for r in rows.values())
     counts = {"rows": len(rows), "extracted": len(todo), "skipped_complete": len(rows) - len(todo),
@@ -156,7 +160,7 @@ def extract_locked(args, prepared, out, verifier, text_config, aux, tok_hash):
     write_manifest(out, "hidden_states", args, wall_s=wall, counts=counts,
                    inputs={"verifier_path": verifier, "verifier_hash": config["verifier_hash"],
                            "tokenizer_hash": tok_hash, "prepared_dir": os.path.relpath(prepared, out),
-                           "prepared_manifest_hash": manifest_hash(prepared)},
+                           "prepared_manifest_hash": prepared_hash},
                    aux_layers=aux, final_layer=config["final_layer"], hidden_size=hidden,
                    num_hidden_layers=text_config.num_hidden_layers, backend=args.backend,
                    hidden_states_dtype=args.hidden_states_dtype)

@@ -12,9 +12,10 @@ import os
 
 import numpy as np
 
-from common.cli import UserError, run_stage, stage_parser
+from common.cli import run_stage, stage_parser
 from common.data import load_prepared
 from common.extract import row_file
+from common.loader import check_row_file
 from common.manifest import atomic_dir, extracted_from, find_stage_dirs, read_manifest
 
 STAGE = "export_speculators_data"
@@ -35,12 +36,10 @@ def run(args):
     folders = find_stage_dirs(args.data_dir, "hidden_states", "hidden_states")
     shards, links = [], []
     for folder in folders:
-        prepared = extracted_from(folder, read_manifest(folder, "hidden_states"))
-        rows = load_prepared(prepared).select_columns(["input_ids", "loss_mask", "seq_len"])
-        missing = [i for i in range(len(rows)) if not os.path.exists(row_file(folder, i))]
-        if missing:
-            raise UserError(f"{folder} lacks {len(missing)} of its {len(rows)} rows (first: {missing[0]}); "
-                            "rerun 03_extract_hidden_states.py")
+        manifest = read_manifest(folder, "hidden_states")
+        rows = load_prepared(extracted_from(folder, manifest)).select_columns(["input_ids", "loss_mask", "seq_len"])
+        for i, n_tokens in enumerate(rows["seq_len"]):  # whole files only: speculators would meet a torn one hours in
+            check_row_file(row_file(folder, i), n_tokens, len(manifest["aux_layers"]) + 1, manifest["hidden_size"])
         links += [os.path.abspath(row_file(folder, i)) for i in range(len(rows))]
         shards.append(rows)
     n = len(np.load(os.path.join(vocab, "d2t.npy")))

@@ -39,6 +39,25 @@ def test_copied_data_dir_trains_and_a_rerun_of_01_makes_its_states_stale(tmp_pat
     assert read_json(hs / "manifest.json")["counts"]["extracted"] == rows
     stage("04_train.py", "--data-dir", copy, "--output-dir", tmp_path / "out2", *QUICK_TRAIN)
 
+    # 01 rewrites the rows while 03 extracts them (03 paused midway): 03 stops with a line, leaving no manifest
+    stage("01_prepare_dataset.py", "--data-dir", copy, "--num-samples", ROWS, "--max-seq-len", SEQ)
+    extract = subprocess.Popen([sys.executable, os.path.join(ROOT, "03_extract_hidden_states.py"), "--data-dir", str(copy),
+                                "--max-tokens-per-batch", "512"], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    log, deadline = copy / "logs" / "03_extract_hidden_states.log", time.time() + HANG_GUARD_S
+    planned = log.read_text().count("to do (")
+    while log.read_text().count("to do (") == planned:  # until this run has read the rows it extracts
+        assert extract.poll() is None and time.time() < deadline, extract.communicate()
+        time.sleep(0.05)
+    extract.send_signal(signal.SIGSTOP)
+    try:
+        stage("01_prepare_dataset.py", "--data-dir", copy, "--num-samples", ROWS, "--max-seq-len", SEQ // 2)
+    finally:
+        extract.send_signal(signal.SIGCONT)
+    _, stderr = extract.communicate(timeout=HANG_GUARD_S)
+    assert extract.returncode == 2 and "was rewritten" in stderr and "Traceback" not in stderr, stderr[-2000:]
+    assert not (hs / "manifest.json").exists()
+
 
 @pytest.mark.parametrize("damage", ["truncated", "zeros", "missing"])
 def test_damaged_states_file_stops_04_before_training(tmp_path, data_dir, damage):
@@ -55,6 +74,9 @@ def test_damaged_states_file_stops_04_before_training(tmp_path, data_dir, damage
     proc = stage("04_train.py", "--data-dir", copy, "--output-dir", tmp_path / "out", *QUICK_TRAIN, check=False)
     assert_user_error(proc, "hs_5.safetensors", "03_extract_hidden_states.py")
     assert not (tmp_path / "out" / "checkpoints").exists()
+    proc = stage("export_speculators_data.py", "--data-dir", copy, check=False)  # which checks the same
+    assert_user_error(proc, "hs_5.safetensors", "03_extract_hidden_states.py")
+    assert not (copy / "speculators").exists()
 
 
 def test_one_run_writes_a_folder_and_a_dead_runs_lock_is_taken_over(tmp_path, data_dir):
