@@ -161,6 +161,9 @@ def path_error(e: OSError) -> str:
     return f"{e.filename}: {e.strerror or type(e).__name__}; check the path, its permissions and free space"
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # besides Ctrl-C (SIGINT)
+
+
 def run_stage(stage: str, parser: argparse.ArgumentParser, run, argv=None) -> None:
     """Parse, set up logging, run run(args) -> summary line, map user errors to exit 2 with one line."""
     args = parse_args(parser, stage, argv)
@@ -173,9 +176,11 @@ def run_stage(stage: str, parser: argparse.ArgumentParser, run, argv=None) -> No
     except OSError as e:  # the log's folder cannot be made: the data or output path is a file, or read-only
         print(f"error: {path_error(e)}", file=sys.stderr)
         sys.exit(2)
-    def on_sigterm(signum, frame):  # a scheduler or `kill`: stop as Ctrl-C does, with a line in the log
+    def on_sigterm(signum, frame):  # a scheduler, `kill` or a dropped ssh session: stop as Ctrl-C does, with a line in the log
         raise KeyboardInterrupt(signum)
-    signal.signal(signal.SIGTERM, on_sigterm)
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # under nohup SIGHUP is ignored, and the run goes on
+            signal.signal(sig, on_sigterm)
     start = time.time()
     log.info(f"=== {stage} start ===")
     for k, v in effective_config(args).items():

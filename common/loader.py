@@ -18,6 +18,7 @@ from hs_connectors.fp8_utils import dequantize_fp8_tensor
 from common.cli import UserError
 from common.data import load_prepared
 from common.extract import SCALES, row_file
+from common.log import log
 from common.manifest import extracted_from, find_stage_dirs, read_manifest, sha256_json
 
 
@@ -205,9 +206,15 @@ def collect_rows(data_dirs, vocab_dir: str, verifier_hash: str, hidden_size: int
     tok_hashes = {m["inputs"]["tokenizer_hash"] for m in manifests}
     if tok_hashes != {vm["inputs"]["tokenizer_hash"]}:
         raise UserError(f"{vocab_dir} was built for another tokenizer than the hidden states; rerun 02_build_vocab_mapping.py")
+    built_from = {os.path.basename(os.path.normpath(f)): h for f, h in vm["inputs"].get("prepared", {}).items()}
     files, lengths = [], []
     for folder, m in zip(folders, manifests):
-        for i, n in enumerate(load_prepared(extracted_from(folder, m))["seq_len"]):
+        prepared = extracted_from(folder, m)
+        extracted = m["inputs"]["prepared_manifest_hash"]
+        if built_from.get(os.path.basename(prepared), extracted) != extracted:
+            log.warning(f"{vocab_dir} was built from other rows than {prepared} holds now (01 was rerun since): its "
+                        "draft vocabulary may miss their tokens; rerun 02_build_vocab_mapping.py")
+        for i, n in enumerate(load_prepared(prepared)["seq_len"]):
             check_row_file(row_file(folder, i), n, len(aux) + 1, hidden_size)
             files.append(row_file(folder, i))
             lengths.append(n - 1)  # after the one-token shift

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from common.checkpoint import load_resume_state, rng_state, save_checkpoint, set_rng_state
-from common.cli import Stopped, UserError
+from common.cli import STOP_SIGNALS, Stopped, UserError
 from common.compiler import Compiler
 from common.draft import build_draft
 from common.extract import is_oom
@@ -297,10 +297,12 @@ def validate(model, packed, val_rows: list[int], lengths, args, loss_config, dev
 
 
 def catch_stop_signals() -> list:
-    """SIGTERM (a scheduler, kill) and Ctrl-C are noted here; the loop stops at the next step, with a checkpoint."""
+    """SIGTERM (a scheduler, kill), SIGHUP (a dropped ssh session) and Ctrl-C are noted here; the loop stops at
+    the next step, with a checkpoint."""
     caught: list = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: caught.append(signum))
+    for sig in (*STOP_SIGNALS, signal.SIGINT):
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # under nohup SIGHUP is ignored, and the run goes on
+            signal.signal(sig, lambda signum, frame: caught.append(signum))
     return caught
 
 

@@ -37,7 +37,8 @@ def test_copied_data_dir_trains_and_a_rerun_of_01_makes_its_states_stale(tmp_pat
     assert sorted(os.listdir(hs)) == sorted([f"hs_{i}.safetensors" for i in range(rows)]
                                             + ["manifest.json", "extract_config.json"])
     assert read_json(hs / "manifest.json")["counts"]["extracted"] == rows
-    stage("04_train.py", "--data-dir", copy, "--output-dir", tmp_path / "out2", *QUICK_TRAIN)
+    log = stage("04_train.py", "--data-dir", copy, "--output-dir", tmp_path / "out2", *QUICK_TRAIN).stdout
+    assert "built from other rows" in log and "rerun 02_build_vocab_mapping.py" in log  # 02 was not rerun
 
     # 01 rewrites the rows while 03 extracts them (03 paused midway): 03 stops with a line, leaving no manifest
     stage("01_prepare_dataset.py", "--data-dir", copy, "--num-samples", ROWS, "--max-seq-len", SEQ)
@@ -98,28 +99,31 @@ def test_one_run_writes_a_folder_and_a_dead_runs_lock_is_taken_over(tmp_path, da
     assert not (out / ".lock").exists()
 
 
-def test_sigterm_saves_a_checkpoint_and_the_named_command_resumes(tmp_path, data_dir):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])  # a scheduler or kill; a dropped ssh session
+def test_sigterm_saves_a_checkpoint_and_the_named_command_resumes(tmp_path, data_dir, sig):
     out = tmp_path / "out"
     args = [sys.executable, os.path.join(ROOT, "04_train.py"), "--data-dir", str(data_dir), "--output-dir", str(out),
-            "--max-steps", "24", "--max-seq-len", "1024", "--num-workers", "1", "--log-every", "1", "--val-ratio", "0.1"]
+            "--max-steps", "12", "--max-seq-len", "512", "--num-workers", "1", "--log-every", "1", "--val-ratio", "0.1"]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
     while proc.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
         time.sleep(0.1)
-    kill(proc, signal.SIGTERM)
+    kill(proc, sig)
     stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)
-    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert proc.returncode == 128 + sig, stderr[-2000:]
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "stopped by SIGTERM" in errors[0] and "Traceback" not in stderr
+    name = signal.Signals(sig).name
+    assert len(errors) == 1 and f"stopped by {name}" in errors[0] and "Traceback" not in stderr
+    assert f"stopped by {name}" in (out / "logs" / "04_train.log").read_text()  # where a dropped session can read it
     assert (out / "checkpoints" / "latest").exists()
     command = shlex.split(errors[0].split("resume with: ")[1])
     assert command[-1] == "--resume"
     subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line]
-    assert steps == list(range(1, 25))  # each step once, the replayed ones too
+    assert steps == list(range(1, 13))  # each step once, the replayed ones too
     again = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
-    assert "already finished at step 24" in again.stdout + again.stderr
-    assert metrics.read_text().count('"train"') == 24
+    assert "already finished at step 12" in again.stdout + again.stderr
+    assert metrics.read_text().count('"train"') == 12
 
 
 def test_resume_is_the_same_run_and_finds_its_checkpoints(tmp_path, data_dir):
