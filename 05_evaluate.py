@@ -64,11 +64,23 @@ def draft_names(paths: list[str]) -> dict[str, str]:
 
 
 def check_draft(path: str, text_config) -> None:
+    """A whole speculators EAGLE-3 checkpoint for this verifier, or one line saying what is wrong with it."""
+    from common.loader import whole_safetensors
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise UserError(f"{path}: not a draft checkpoint (no config.json); run 04_train.py first")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except ValueError as e:
+        raise UserError(f"{cfg_path} is damaged ({e}); use another checkpoint or copy it again")
+    weights = os.path.join(path, "model.safetensors")
+    try:
+        whole_safetensors(weights)
+    except FileNotFoundError:
+        raise UserError(f"{path} has no model.safetensors (a copy or a save cut short); use another checkpoint")
+    except ValueError as e:
+        raise UserError(f"{weights} is {e}; use another checkpoint or copy it again")
     if cfg.get("speculators_model_type") != "eagle3":
         raise UserError(f"{path}: not a speculators EAGLE-3 checkpoint")
     layer = cfg["transformer_layer_config"]

@@ -227,22 +227,32 @@ def rows_fingerprint(folders: list[str]) -> str:
                          read_manifest(f, "hidden_states")["inputs"]["prepared_manifest_hash"]] for f in folders])
 
 
+def whole_safetensors(path: str) -> dict:
+    """The header of a safetensors file that is whole: it reads, and the file is exactly as long as it says.
+    FileNotFoundError if it is missing, ValueError saying what is wrong if not whole."""
+    try:
+        with open(path, "rb") as f:
+            header, base = safetensors_header(f)
+        end = max((meta["data_offsets"][1] for name, meta in header.items() if name != "__metadata__"), default=0)
+    except FileNotFoundError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, OSError):
+        raise ValueError("damaged (no readable header)")
+    size = os.path.getsize(path)
+    if size != base + end:
+        raise ValueError(f"truncated or damaged ({size:,} bytes, its header says {base + end:,})")
+    return header
+
+
 def check_row_file(path: str, tokens: int, n_slots: int, hidden: int) -> None:
     """A states file is whole before training starts (not when a batch first meets it, hours in): its
     header reads, its shapes are the row's, and its size is exactly what the header says."""
     try:
-        with open(path, "rb") as f:
-            header, base = safetensors_header(f)
-        size = os.path.getsize(path)
-        shape = header["hidden_states"]["shape"]
-        end = max(meta["data_offsets"][1] for name, meta in header.items() if name != "__metadata__")
+        shape = whole_safetensors(path).get("hidden_states", {}).get("shape")
     except FileNotFoundError:
         raise UserError(f"{path} is missing; rerun 03_extract_hidden_states.py (it redoes missing rows)")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError):
-        raise UserError(f"{path} is damaged (no readable header); rerun 03_extract_hidden_states.py (it redoes it)")
-    if size != base + end:
-        raise UserError(f"{path} is truncated or damaged ({size:,} bytes, its header says {base + end:,}); "
-                        "rerun 03_extract_hidden_states.py (it redoes it)")
+    except ValueError as e:
+        raise UserError(f"{path} is {e}; rerun 03_extract_hidden_states.py (it redoes it)")
     if shape != [tokens, n_slots, hidden]:
         raise UserError(f"{path} holds states of shape {shape}, its row needs [{tokens}, {n_slots}, {hidden}]; "
                         "rerun 03_extract_hidden_states.py")

@@ -1,5 +1,8 @@
 """Stage 05 with real vLLM (the CPU build) and the real verifier: trained vs random draft, both backends."""
 
+import os
+import shutil
+
 import pytest
 
 from conftest import assert_user_error, read_json, stage, stage_module
@@ -71,10 +74,23 @@ def test_transformers_backend_agrees_with_vllm(tmp_path, vllm_report, trained, r
         assert len(report["drafts"][name]["per_conversation"]) == report["num_conversations"]
 
 
-def test_bad_input_exits_2_with_one_line(tmp_path, trained, data_dir, other_verifier):
+def test_bad_input_exits_2_with_one_line(tmp_path, trained, data_dir, other_verifier, verifier):
     empty = tmp_path / "prompts.jsonl"
     empty.write_text("")
     best = trained / "checkpoints" / "best"
+    damaged = {}  # copies of the checkpoint, each with one file cut short or gone
+    for name, file, keep in [("torn_weights", "model.safetensors", 0.5), ("no_weights", "model.safetensors", None),
+                             ("torn_config", "config.json", 0.5)]:
+        damaged[name] = tmp_path / name
+        shutil.copytree(best, damaged[name])
+        data = (damaged[name] / file).read_bytes()
+        (damaged[name] / file).unlink()
+        if keep:
+            (damaged[name] / file).write_bytes(data[:int(len(data) * keep)])
+    no_tokenizer = tmp_path / "no_tokenizer"  # the verifier's config and weights alone
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (no_tokenizer / name).symlink_to(os.path.join(verifier, name))
     cases = [
         (["--draft-path", best, "--verifier-path", other_verifier], "hidden size"),
         (["--draft-path", best, "--prompts", empty], "no prompts"),
@@ -83,6 +99,10 @@ def test_bad_input_exits_2_with_one_line(tmp_path, trained, data_dir, other_veri
         (["--draft-path", best, "--gpu-memory-utilization", 1.5], "--gpu-memory-utilization"),
         (["--draft-path", tmp_path], "not a draft checkpoint"),
         (["--draft-path", best, "--compare", best], "the same draft is given twice"),
+        (["--draft-path", damaged["torn_weights"]], "model.safetensors is truncated"),
+        (["--draft-path", damaged["no_weights"], "--backend", "transformers"], "has no model.safetensors"),
+        (["--draft-path", damaged["torn_config"]], "config.json is damaged"),
+        (["--draft-path", best, "--verifier-path", no_tokenizer], "tokenizer does not load"),
     ]
     for args, words in cases:
         assert_user_error(stage("05_evaluate.py", "--data-dir", data_dir, "--output-dir", tmp_path, *args,
