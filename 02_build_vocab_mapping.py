@@ -9,7 +9,7 @@ import torch
 from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
 from common.data import load_prepared
 from common.log import log
-from common.manifest import atomic_dir, find_stage_dirs, manifest_hash, read_manifest, write_manifest
+from common.manifest import atomic_dir, find_stage_dirs, manifest_hash, output_lock, read_manifest, write_manifest
 from common.verifier import load_text_config, load_tokenizer, resolve_verifier, tokenizer_fingerprint
 from common.vocab import build_mapping, count_assistant_tokens
 
@@ -29,6 +29,12 @@ def build_parser():
 def run(args):
     if args.draft_vocab_size <= 0:
         raise UserError(f"--draft-vocab-size {args.draft_vocab_size}: must be positive")
+    out = args.output_dir or os.path.join(args.data_dir, "vocab_mapping")
+    with output_lock(os.path.dirname(os.path.abspath(out)), f".lock.{os.path.basename(out)}"):  # one run writes it
+        return build(args, out)
+
+
+def build(args, out: str) -> str:
     start = time.time()
     verifier = resolve_verifier(args.verifier_path, args)
     tokenizer = load_tokenizer(verifier, args.trust_remote_code)
@@ -47,7 +53,6 @@ def run(args):
     if stats["filled_unseen"]:
         log.info(f"only {stats['distinct_assistant_tokens']:,} distinct assistant tokens < draft size "
                  f"{stats['draft_vocab']:,}: filled {stats['filled_unseen']:,} slots with unseen tokens, lowest ids first")
-    out = args.output_dir or os.path.join(args.data_dir, "vocab_mapping")
     with atomic_dir(out) as tmp:
         torch.save(freq, os.path.join(tmp, "token_freq.pt"))
         np.save(os.path.join(tmp, "d2t.npy"), d2t)

@@ -10,6 +10,7 @@ import torch
 from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
 from common.cost import draft_read, estimated_speedup, verifier_read
 from common.log import log
+from common.manifest import output_lock
 from common.verifier import check_weights, load_text_config, load_tokenizer, resolve_verifier
 
 STAGE = "05_evaluate"
@@ -91,7 +92,6 @@ def check_draft(path: str, text_config) -> None:
 
 
 def run(args):
-    from common import evaluate as ev
     if args.num_speculative_tokens < 1:
         raise UserError(f"--num-speculative-tokens {args.num_speculative_tokens}: must be at least 1")
     if args.tensor_parallel_size < 1:
@@ -102,6 +102,12 @@ def run(args):
         raise UserError("--temperature must be >= 0, --num-prompts and --max-new-tokens >= 1")
     if args.backend == "transformers" and args.temperature > 0:
         raise UserError("--backend transformers simulates greedy decoding only; use --temperature 0")
+    with output_lock(os.path.join(args.output_dir, "eval")):  # one evaluation writes a report
+        return evaluate(args)
+
+
+def evaluate(args) -> str:
+    from common import evaluate as ev
     verifier = resolve_verifier(args.verifier_path, args)
     text_config = load_text_config(verifier, args.trust_remote_code)
     check_weights(verifier, text_config)

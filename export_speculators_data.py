@@ -16,7 +16,7 @@ from common.cli import run_stage, stage_parser
 from common.data import load_prepared
 from common.extract import row_file
 from common.loader import check_row_file
-from common.manifest import atomic_dir, extracted_from, find_stage_dirs, read_manifest
+from common.manifest import atomic_dir, extracted_from, find_stage_dirs, output_lock, read_manifest
 
 STAGE = "export_speculators_data"
 
@@ -29,8 +29,13 @@ def build_parser():
 
 
 def run(args):
-    import datasets
     out = os.path.abspath(args.output_dir or os.path.join(args.data_dir, "speculators"))
+    with output_lock(os.path.dirname(out), f".lock.{os.path.basename(out)}"):  # one run writes it
+        return export(args, out)
+
+
+def export(args, out: str) -> str:
+    import datasets
     vocab = os.path.join(args.data_dir, "vocab_mapping")
     read_manifest(vocab, "vocab_mapping")
     folders = find_stage_dirs(args.data_dir, "hidden_states", "hidden_states")

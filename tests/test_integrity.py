@@ -242,6 +242,19 @@ def test_overlapping_shards_are_refused(tmp_path, data_dir):
     assert_user_error(proc, "rows_0-20", f"rows_0-{ROWS}", "overlap")
 
 
+def test_02_05_and_the_export_refuse_a_folder_another_run_writes(tmp_path, data_dir):
+    """The lock 01, 03 and 04 take, in the stages that write a vocab mapping, a report and an export."""
+    from common.manifest import output_lock
+    out = tmp_path / "out"
+    for script, args, folder, name in [
+            ("02_build_vocab_mapping.py", ["--output-dir", out / "vm"], out, ".lock.vm"),
+            ("export_speculators_data.py", ["--output-dir", out / "spec"], out, ".lock.spec"),
+            ("05_evaluate.py", ["--output-dir", out, "--draft-path", out], out / "eval", ".lock")]:
+        with output_lock(str(folder), name):  # held by this process, as a running stage holds it
+            proc = stage(script, "--data-dir", data_dir, *args, check=False)
+        assert_user_error(proc, "being written by another run", f"pid {os.getpid()}")
+
+
 def test_sigterm_stops_01_with_a_line_and_nothing_complete_looking(tmp_path):
     args = [sys.executable, os.path.join(ROOT, "01_prepare_dataset.py"), "--data-dir", str(tmp_path),
             "--num-samples", "400", "--max-seq-len", str(SEQ)]
