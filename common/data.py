@@ -126,6 +126,11 @@ def normalize(record) -> list[dict] | str:
         reasoning = turn.get("reasoning_content", turn.get("reasoning"))
         if ROLE_MAP[str(role).lower()] == "assistant" and isinstance(reasoning, str) and reasoning.strip():
             content = inline_reasoning(reasoning, content)
+        if not content.isascii():
+            try:
+                content.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate (a JSON "\ud800" escape): no tokenizer or Arrow takes it
+                return "invalid_unicode"
         messages.append({"role": ROLE_MAP[str(role).lower()], "content": content,  # regenerated: trained_chars
                          **({"trained_chars": turn["trained_chars"]} if turn.get("trained_chars") is not None else {})})
     # ShareGPT splits long chats, so a fragment may open with the assistant: its leading assistant turns

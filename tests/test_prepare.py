@@ -66,6 +66,9 @@ def test_openai_shape_and_messages_column_give_the_same_rows(tokenizer):
     openai = {"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}]}
     assert normalize(sharegpt) == normalize(openai) == normalize(openai["messages"])
     assert normalize({"text": "no turns"}) == "unknown_shape"
+    # a lone surrogate, as json.loads makes of a "\ud800" escape: no tokenizer or Arrow file takes it
+    lone = json.loads('[{"from": "human", "value": "a \\ud800 b"}, {"from": "gpt", "value": "ok"}]')
+    assert normalize(lone) == "invalid_unicode"
 
 
 def test_prepared_rows_and_statistics(prepared_dir):
