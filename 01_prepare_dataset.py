@@ -91,7 +91,8 @@ def run(args):
         random.Random(args.seed).shuffle(indexed)
     a, b = rows_range or (0, args.num_samples or len(indexed))
     if b > len(indexed):
-        raise UserError(f"--rows {a}-{b}: the dataset has only {len(indexed)} conversations")
+        asked = f"--rows {a}-{b}" if rows_range else f"--num-samples {b}"
+        raise UserError(f"{asked}: the dataset has only {len(indexed)} conversations")
     selected = indexed[a:b]
     log.info(f"{len(records)} conversations in {args.dataset}; preparing rows {a}-{b}")
     with output_lock(os.path.join(args.data_dir, "prepared"), f".lock.rows_{a}-{b}"):  # one run writes a shard
@@ -137,7 +138,9 @@ def prepare_shard(args, selected, a, b, tokenizer, verifier, start, notes):
                                "vocab_size": len(tokenizer)}, rows=[a, b])
     log.info(f"dropped by reason: {dict(dropped) or 'none'}; changed by reason: {dict(changed) or 'none'}")
     return (f"wrote {out}: {len(rows):,} rows, {total:,} total tokens, {assistant:,} assistant tokens, "
-            f"{sum(dropped.values())} dropped")
+            f"{sum(dropped.values())} dropped" + (f"; {args.dataset} is cut off: its last "
+                                                  f"{notes['truncated_tail_bytes']:,} bytes were not read"
+                                                  if "truncated_tail_bytes" in notes else ""))
 
 
 if __name__ == "__main__":

@@ -158,6 +158,8 @@ def effective_config(args: argparse.Namespace) -> dict:
 
 
 def path_error(e: OSError) -> str:
+    if e.errno in (errno.EEXIST, errno.ENOTDIR):  # makedirs under a regular file: "File exists" misleads
+        return f"{e.filename}: a file is in the way where a folder belongs; move it or choose another path"
     return f"{e.filename}: {e.strerror or type(e).__name__}; check the path, its permissions and free space"
 
 

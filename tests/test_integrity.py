@@ -230,7 +230,7 @@ def test_an_output_path_that_is_a_file_is_one_line(tmp_path, data_dir):
     blocker = tmp_path / "out"
     blocker.write_text("not a folder")
     proc = stage("04_train.py", "--data-dir", data_dir, "--output-dir", blocker, *QUICK_TRAIN, check=False)
-    assert_user_error(proc, str(blocker))
+    assert_user_error(proc, str(blocker), "a file is in the way")
 
 
 def test_overlapping_shards_are_refused(tmp_path, data_dir):

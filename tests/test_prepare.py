@@ -131,6 +131,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
         (["--dataset", str(empty)], "no conversations"),
         (["--dataset", str(odd)], "unknown_shape"),
         (["--rows", "0-99999999"], "only"),
+        (["--num-samples", "99999999"], "--num-samples 99999999: the dataset has only"),
         (["--rows", "20-10"], "A < B"),
         (["--max-seq-len", "0"], "--max-seq-len"),
         (["--regenerate", "transformers", "--max-new-tokens", "0"], "--max-new-tokens"),
@@ -187,6 +188,7 @@ def test_cut_off_json_array_keeps_its_complete_records_and_says_so(tmp_path):
     assert "cut off inside element 4" in proc.stdout + proc.stderr
     counts = read_json(tmp_path / "d" / "prepared" / "rows_0-4" / "manifest.json")["counts"]
     assert counts["rows"] == 4 and counts["truncated_tail_bytes"] > 0
+    assert f"is cut off: its last {counts['truncated_tail_bytes']:,} bytes were not read" in proc.stdout  # the summary
 
 
 @pytest.mark.parametrize("config", sorted(os.listdir(os.path.join(ROOT, "configs"))))
