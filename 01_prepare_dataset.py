@@ -6,7 +6,7 @@ import time
 from collections import Counter
 
 from common.cli import UserError, add_verifier_flags, parse_rows, run_stage, stage_parser
-from common.data import is_held_out, load_records, normalize, prepare_rows
+from common.data import is_held_out, load_records, normalize, prepare_rows, rows_hash
 from common.log import Progress, log
 from common.manifest import atomic_dir, output_lock, write_manifest
 from common.verifier import load_text_config, load_tokenizer, resolve_verifier, tokenizer_fingerprint, verifier_fingerprint
@@ -125,7 +125,7 @@ def prepare_shard(args, selected, a, b, tokenizer, verifier, start, notes):
     assistant = sum(sum(r["loss_mask"]) for r in rows)
     counts = {"conversations": len(selected), "rows": len(rows), "total_tokens": total,
               "assistant_tokens": assistant, "dropped": dict(dropped), "changed": dict(changed),
-              "max_row_tokens": max(r["seq_len"] for r in rows),
+              "max_row_tokens": max(r["seq_len"] for r in rows), "rows_hash": rows_hash(rows),
               **({"regeneration": regen_counts} if regen_counts is not None else {}), **notes}
     out = os.path.join(args.data_dir, "prepared", f"rows_{a}-{b}")
     with atomic_dir(out) as tmp:

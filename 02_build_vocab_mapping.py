@@ -9,7 +9,8 @@ import torch
 from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
 from common.data import load_prepared
 from common.log import log
-from common.manifest import atomic_dir, find_stage_dirs, manifest_hash, output_lock, read_manifest, write_manifest
+from common.manifest import (atomic_dir, find_stage_dirs, output_lock, prepared_fingerprint, read_manifest,
+                             write_manifest)
 from common.verifier import load_text_config, load_tokenizer, resolve_verifier, tokenizer_fingerprint
 from common.vocab import build_mapping, count_assistant_tokens
 
@@ -59,7 +60,7 @@ def build(args, out: str) -> str:
         np.save(os.path.join(tmp, "t2d.npy"), t2d)
         write_manifest(tmp, "vocab_mapping", args, wall_s=time.time() - start, counts=stats,
                        inputs={"verifier_path": verifier, "tokenizer_hash": tok_hash,
-                               "prepared": {f: manifest_hash(f) for f in folders}})
+                               "prepared": {f: prepared_fingerprint(f) for f in folders}})
     return (f"wrote {out}: draft vocab {stats['draft_vocab']:,} of {target_vocab:,}, "
             f"{stats['distinct_assistant_tokens']:,} distinct assistant tokens, coverage {stats['coverage']:.2%}")
 

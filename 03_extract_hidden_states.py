@@ -12,7 +12,7 @@ from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
 from common.data import load_prepared
 from common.extract import RowWriter, TransformersBackend, extract_transformers, file_is_valid, plan_batches, row_file
 from common.log import Progress, fmt_bytes, log
-from common.manifest import (atomic_write_json, find_stage_dirs, manifest_hash, output_lock, read_manifest,
+from common.manifest import (atomic_write_json, find_stage_dirs, output_lock, prepared_fingerprint, read_manifest,
                              write_manifest)
 from common.verifier import (check_aux_layers, check_weights, compute_dtype, default_aux_layers, load_text_config,
                              load_tokenizer, resolve_verifier, tokenizer_fingerprint, verifier_fingerprint)
@@ -93,13 +93,13 @@ def extract_locked(args, prepared, out, verifier, text_config, aux, tok_hash):
     atomic_write_json(cfg_path, config)
     done_path = os.path.join(out, "manifest.json")
     if os.path.exists(done_path) and read_manifest(out, "hidden_states")["inputs"]["prepared_manifest_hash"] != \
-            manifest_hash(prepared):
+            prepared_fingerprint(prepared):
         log.warning(f"{prepared} changed since {out} was extracted (01_prepare_dataset.py was rerun): "
                     "extracting every row again")
         os.remove(done_path)
         for path in glob.glob(os.path.join(out, "hs_*.safetensors")):
             os.remove(path)
-    prepared_hash = manifest_hash(prepared)  # taken before the rows are read: 01 rewriting them meanwhile is caught
+    prepared_hash = prepared_fingerprint(prepared)  # before the rows are read: 01 rewriting them meanwhile is caught
     ds = load_prepared(prepared)
     rows = {i: {"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for i, r in enumerate(ds)}
     n_slots, hidden = len(aux) + 1, text_config.hidden_size
@@ -148,7 +148,7 @@ def extract_locked(args, prepared, out, verifier, text_config, aux, tok_hash):
         writer.close()
         progress.close()
     wall = time.time() - start
-    if manifest_hash(prepared) != prepared_hash:
+    if prepared_fingerprint(prepared) != prepared_hash:
         raise UserError(f"{prepared} was rewritten (01_prepare_dataset.py ran) while these states were extracted: "
                         f"they are of the old rows; rerun 03_extract_hidden_states.py once 01 has finished")
     total_bytes = sum(os.path.getsize(row_file(out, i)) for i in rows)

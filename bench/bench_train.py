@@ -36,7 +36,7 @@ def make_inputs(work: str, shape: str, rows: int, seq_len: int, draft_vocab: int
 
     from bench_extract import SHAPES
     from common.extract import save_row
-    from common.manifest import atomic_write_json, manifest_hash
+    from common.manifest import atomic_write_json, prepared_fingerprint
     from common.verifier import default_aux_layers, verifier_fingerprint
     if os.path.exists(os.path.join(work, "ready")):
         return
@@ -68,7 +68,7 @@ def make_inputs(work: str, shape: str, rows: int, seq_len: int, draft_vocab: int
     inputs = {"tokenizer_hash": "bench", "verifier_hash": verifier_fingerprint(config), "prepared_dir": prepared}
     atomic_write_json(os.path.join(prepared, "manifest.json"), {"stage": "prepare", "inputs": inputs})
     atomic_write_json(os.path.join(hs, "manifest.json"), {
-        "stage": "hidden_states", "inputs": {**inputs, "prepared_manifest_hash": manifest_hash(prepared)}, "aux_layers": aux, "final_layer": config.num_hidden_layers,
+        "stage": "hidden_states", "inputs": {**inputs, "prepared_manifest_hash": prepared_fingerprint(prepared)}, "aux_layers": aux, "final_layer": config.num_hidden_layers,
         "hidden_size": H, "num_hidden_layers": config.num_hidden_layers})
     vm = os.path.join(work, "data", "vocab_mapping")
     os.makedirs(vm, exist_ok=True)

@@ -8,13 +8,14 @@ import argparse
 import difflib
 import errno
 import os
+import shutil
 import signal
 import sys
 import time
 
 import yaml
 
-from common.log import fmt_duration, log, setup_logging
+from common.log import fmt_bytes, fmt_duration, log, setup_logging
 
 SECTIONS = {"01_prepare_dataset": "prepare", "02_build_vocab_mapping": "vocab",
             "03_extract_hidden_states": "extract", "04_train": "train", "05_evaluate": "evaluate",
@@ -214,8 +215,10 @@ def run_stage(stage: str, parser: argparse.ArgumentParser, run, argv=None) -> No
     except Exception as e:  # a full disk, whichever writer met it (safetensors' error carries the OS's words)
         if getattr(e, "errno", None) != errno.ENOSPC and "No space left on device" not in str(e):
             raise
-        message = (f"the disk is full ({type(e).__name__}: {str(e).splitlines()[0][:200]}); free space, then rerun "
-                   "the same command: finished parts are kept, nothing half-written is")
+        where = folder if folder and os.path.isdir(folder) else "."
+        message = (f"the disk holding {where} is full ({fmt_bytes(shutil.disk_usage(where).free)} free; "
+                   f"{type(e).__name__}: {str(e).splitlines()[0][:160]}); free space, then rerun the same command: "
+                   "finished parts are kept, nothing half-written is")
         log.error(message)
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)

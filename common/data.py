@@ -1,8 +1,11 @@
 """Conversations in, tokenized rows with assistant-only loss masks out (stage 01)."""
+import hashlib
 import importlib.util
 import json
 import os
 from collections import Counter
+
+import numpy as np
 
 from common.cli import UserError
 from common.log import log
@@ -98,6 +101,15 @@ def load_records(source: str, split: str = "train", notes: dict | None = None) -
         return list(datasets.load_dataset(source, split=split))
     except Exception as e:  # noqa: BLE001 - the hub and local loaders raise many types
         raise UserError(f"--dataset {source}: could not load ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+
+
+def rows_hash(rows: list[dict]) -> str:
+    """What the states of prepared rows depend on: every row's token ids and loss mask, in order."""
+    h = hashlib.sha256()
+    for r in rows:
+        h.update(np.asarray(r["input_ids"], np.int64).tobytes())
+        h.update(np.asarray(r["loss_mask"], np.int8).tobytes())
+    return h.hexdigest()[:16]
 
 
 def normalize(record) -> list[dict] | str:

@@ -212,8 +212,8 @@ def collect_rows(data_dirs, vocab_dir: str, verifier_hash: str, hidden_size: int
         prepared = extracted_from(folder, m)
         extracted = m["inputs"]["prepared_manifest_hash"]
         if built_from.get(os.path.basename(prepared), extracted) != extracted:
-            log.warning(f"{vocab_dir} was built from other rows than {prepared} holds now (01 was rerun since): its "
-                        "draft vocabulary may miss their tokens; rerun 02_build_vocab_mapping.py")
+            raise UserError(f"{vocab_dir} was built from other rows than {prepared} holds now (01 was rerun since): "
+                            "its draft vocabulary is not theirs; rerun 02_build_vocab_mapping.py")
         for i, n in enumerate(load_prepared(prepared)["seq_len"]):
             check_row_file(row_file(folder, i), n, len(aux) + 1, hidden_size)
             files.append(row_file(folder, i))

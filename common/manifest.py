@@ -100,9 +100,12 @@ def read_manifest(folder: str, stage: str) -> dict:
     return manifest
 
 
-def manifest_hash(folder: str) -> str:
+def prepared_fingerprint(folder: str) -> str:
+    """Which rows a prepared folder holds: the hash of their tokens and masks that 01 records, so a rerun of 01
+    that makes the same rows leaves the states made from them valid (folders of older 01s: their manifest's hash)."""
     with open(os.path.join(folder, MANIFEST)) as f:
-        return sha256_text(f.read())
+        text = f.read()
+    return json.loads(text)["counts"].get("rows_hash") or sha256_text(text)
 
 
 def find_stage_dirs(paths: list[str] | str, stage: str, sub: str) -> list[str]:
@@ -159,7 +162,7 @@ def extracted_from(folder: str, manifest: dict) -> str:
     if not os.path.exists(os.path.join(prepared, MANIFEST)):
         raise UserError(f"{folder}: its prepared rows {prepared} are missing; keep prepared/ beside hidden_states/ "
                         "when copying a data dir, or rerun 01_prepare_dataset.py")
-    if manifest_hash(prepared) != manifest["inputs"]["prepared_manifest_hash"]:
+    if prepared_fingerprint(prepared) != manifest["inputs"]["prepared_manifest_hash"]:
         raise UserError(f"{folder} was extracted from other rows than {prepared} holds now (01_prepare_dataset.py "
                         f"was rerun since); rerun 03_extract_hidden_states.py --data-dir {data}")
     return prepared

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import HANG_GUARD_S, ROOT, ROWS, SEQ, assert_user_error, kill, read_json, records, stage
+from conftest import DRAFT_VOCAB, HANG_GUARD_S, ROOT, ROWS, SEQ, assert_user_error, kill, read_json, records, stage
 
 QUICK_TRAIN = ["--max-steps", 2, "--max-seq-len", 1024, "--num-workers", 1, "--val-ratio", 0.1]
 
@@ -23,6 +23,10 @@ def test_copied_data_dir_trains_and_a_rerun_of_01_makes_its_states_stale(tmp_pat
     stage("04_train.py", "--data-dir", copy, "--output-dir", tmp_path / "out1", *QUICK_TRAIN)
     hs = copy / "hidden_states" / f"rows_0-{ROWS}"
     assert not os.path.isabs(read_json(hs / "manifest.json")["inputs"]["prepared_dir"])
+
+    # 01 again with the same flags: the same rows, so the states and the mapping stay valid
+    stage("01_prepare_dataset.py", "--data-dir", copy, "--num-samples", ROWS, "--max-seq-len", SEQ)
+    assert "rows already done, 0 to do" in stage("03_extract_hidden_states.py", "--data-dir", copy).stdout
 
     # 01 again with another --max-seq-len: other rows under the same name
     stage("01_prepare_dataset.py", "--data-dir", copy, "--num-samples", ROWS, "--max-seq-len", SEQ // 2)
@@ -37,8 +41,10 @@ def test_copied_data_dir_trains_and_a_rerun_of_01_makes_its_states_stale(tmp_pat
     assert sorted(os.listdir(hs)) == sorted([f"hs_{i}.safetensors" for i in range(rows)]
                                             + ["manifest.json", "extract_config.json"])
     assert read_json(hs / "manifest.json")["counts"]["extracted"] == rows
-    log = stage("04_train.py", "--data-dir", copy, "--output-dir", tmp_path / "out2", *QUICK_TRAIN).stdout
-    assert "built from other rows" in log and "rerun 02_build_vocab_mapping.py" in log  # 02 was not rerun
+    assert_user_error(stage("04_train.py", "--data-dir", copy, "--output-dir", tmp_path / "out2", *QUICK_TRAIN,
+                            check=False), "built from other rows", "rerun 02_build_vocab_mapping.py")
+    stage("02_build_vocab_mapping.py", "--data-dir", copy, "--draft-vocab-size", DRAFT_VOCAB)
+    stage("04_train.py", "--data-dir", copy, "--output-dir", tmp_path / "out2", *QUICK_TRAIN)
 
     # 01 rewrites the rows while 03 extracts them (03 paused midway): 03 stops with a line, leaving no manifest
     stage("01_prepare_dataset.py", "--data-dir", copy, "--num-samples", ROWS, "--max-seq-len", SEQ)
@@ -187,7 +193,7 @@ def test_a_full_disk_is_one_line_and_the_rerun_continues(tmp_path, data_dir):
         shutil.copytree(data_dir / "prepared", data / "prepared")
         proc = stage("03_extract_hidden_states.py", "--data-dir", data, "--max-tokens-per-batch", 2048, "--force",
                      check=False)  # --force: past the free-space check before extraction
-        assert_user_error(proc, "disk is full", "rerun")
+        assert_user_error(proc, f"the disk holding {data} is full", "rerun")
         assert not list(data.rglob("*.tmp*"))
         grow(200)
         stage("03_extract_hidden_states.py", "--data-dir", data, "--max-tokens-per-batch", 2048)
