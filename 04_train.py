@@ -105,7 +105,9 @@ def run(args):
     for flag, value, low in [("--epochs", args.epochs, 1), ("--max-seq-len", args.max_seq_len, 2),
                              ("--ttt-steps", args.ttt_steps, 1), ("--grad-accum", args.grad_accum, 1),
                              ("--draft-layers", args.draft_layers, 1),
-                             ("--draft-intermediate-size", args.draft_intermediate_size, 1)]:
+                             ("--draft-intermediate-size", args.draft_intermediate_size, 1), ("--log-every", args.log_every, 1),
+                             ("--val-every", args.val_every, 0), ("--save-every", args.save_every, 0),
+                             ("--num-workers", args.num_workers, 0)]:
         if value is not None and value < low:
             raise UserError(f"{flag} {value}: must be at least {low}")
     if args.max_steps is not None and args.max_steps < 1:

@@ -98,8 +98,9 @@ def run(args):
         raise UserError(f"--tensor-parallel-size {args.tensor_parallel_size}: must be at least 1")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise UserError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
-    if args.temperature < 0 or args.num_prompts < 1 or args.max_new_tokens < 1:
-        raise UserError("--temperature must be >= 0, --num-prompts and --max-new-tokens >= 1")
+    if not args.temperature >= 0 or min(args.num_prompts, args.max_new_tokens, args.max_turns, args.max_prompt_len) < 1:
+        raise UserError("--temperature must be >= 0, --num-prompts, --max-new-tokens, --max-turns and --max-prompt-len "
+                        ">= 1")
     if args.backend == "transformers" and args.temperature > 0:
         raise UserError("--backend transformers simulates greedy decoding only; use --temperature 0")
     with output_lock(os.path.join(args.output_dir, "eval")):  # one evaluation writes a report

@@ -299,6 +299,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, data_dir, hs_dir, other_verif
         (["--data-dir", data_dir, "--noise-std", "nan"], "--noise-std nan: must be at least 0"),
         (["--data-dir", data_dir, "--warmup-ratio", 1.5], "--warmup-ratio 1.5: must be in [0, 1]"),
         (["--data-dir", data_dir, "--weight-decay", -5], "--weight-decay -5.0: must be at least 0"),
+        (["--data-dir", data_dir, "--log-every", 0], "--log-every 0: must be at least 1"),
     ]
     for args, words in cases:
         assert_user_error(stage("04_train.py", *common, *args, check=False), words)
