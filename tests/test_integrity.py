@@ -185,28 +185,39 @@ def small_disk(path, mib: int):
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-def test_a_full_disk_is_one_line_and_the_rerun_continues(tmp_path, data_dir):
-    """03 and 04 meet a full disk (03 writing states, 04 saving a checkpoint): one line saying so, no part-file
-    left taking the space; after space is freed the same command (04: with --resume) finishes."""
+def test_a_full_disk_is_one_line_and_the_rerun_completes_identically(tmp_path, data_dir, hs_dir):
+    """03 and 04 meet a full disk (03 writing states, 04 saving its second checkpoint): one line naming the
+    folder, no part-file left taking the space, what was finished kept; once there is space, the same command
+    (04: with --resume) ends where an uninterrupted run ends, file for file and weight for weight."""
+    import torch
     with small_disk(tmp_path / "disk", 8) as grow:
         data = tmp_path / "disk" / "data"
         shutil.copytree(data_dir / "prepared", data / "prepared")
-        proc = stage("03_extract_hidden_states.py", "--data-dir", data, "--max-tokens-per-batch", 2048, "--force",
-                     check=False)  # --force: past the free-space check before extraction
+        extract = ["03_extract_hidden_states.py", "--data-dir", data, "--max-tokens-per-batch", 2048, "--dtype", "float32"]
+        proc = stage(*extract, "--force", check=False)  # --force: past the free-space check before extraction
         assert_user_error(proc, f"the disk holding {data} is full", "rerun")
-        assert not list(data.rglob("*.tmp*"))
+        hs = data / "hidden_states" / hs_dir.name
+        assert list(hs.glob("hs_*.safetensors")) and not list(data.rglob("*.tmp*"))  # finished rows kept, no part
         grow(200)
-        stage("03_extract_hidden_states.py", "--data-dir", data, "--max-tokens-per-batch", 2048)
+        stage(*extract)
+        for reference in hs_dir.glob("hs_*.safetensors"):
+            assert (hs / reference.name).read_bytes() == reference.read_bytes(), reference.name
 
-    with small_disk(tmp_path / "disk2", 4) as grow:
+    train = ["--data-dir", data_dir, "--max-steps", 2, "--save-every", 1, "--max-seq-len", 512, "--val-ratio", 0,
+             "--num-workers", 1]
+    with small_disk(tmp_path / "disk2", 200) as grow:  # room for one checkpoint (~130 MB), not two
         out = tmp_path / "disk2" / "out"
-        train = ["--data-dir", data_dir, "--output-dir", out, "--max-steps", 1, "--max-seq-len", 512, "--val-ratio", 0,
-                 "--num-workers", 1]
-        assert_user_error(stage("04_train.py", *train, check=False), "is full", "saving step_1", "--resume")
-        assert not list((out / "checkpoints").iterdir())
-        grow(200)
-        stage("04_train.py", *train, "--resume")
-        assert (out / "checkpoints" / "latest" / "model.safetensors").exists()
+        assert_user_error(stage("04_train.py", *train, "--output-dir", out, check=False),
+                          f"the disk holding {out / 'checkpoints'} is full", "saving step_2", "--resume")
+        assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_1"]  # the one before, intact
+        grow(400)
+        stage("04_train.py", *train, "--output-dir", out, "--resume")
+        stage("04_train.py", *train, "--output-dir", tmp_path / "reference")
+        resumed, reference = (torch.load(o / "checkpoints" / "latest" / "training_state.pt", weights_only=False)
+                              for o in (out, tmp_path / "reference"))
+        assert resumed["step"] == reference["step"] == 2
+        for name in reference["model"]:
+            torch.testing.assert_close(resumed["model"][name], reference["model"][name], rtol=1e-5, atol=1e-6)
 
 
 def test_a_verifier_with_missing_weights_is_refused(tmp_path, data_dir, other_verifier):
