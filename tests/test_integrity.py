@@ -180,7 +180,7 @@ def small_disk(path, mib: int):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(path)], capture_output=True).returncode:
         pytest.skip("mounting a tmpfs needs root")
     try:
-        yield lambda size: subprocess.run(["mount", "-o", f"remount,size={size}m", str(path)], check=True)
+        yield lambda options: subprocess.run(["mount", "-o", f"remount,{options}", str(path)], check=True)
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
@@ -190,7 +190,7 @@ def test_a_full_disk_is_one_line_and_the_rerun_completes_identically(tmp_path, d
     folder, no part-file left taking the space, what was finished kept; once there is space, the same command
     (04: with --resume) ends where an uninterrupted run ends, file for file and weight for weight."""
     import torch
-    with small_disk(tmp_path / "disk", 8) as grow:
+    with small_disk(tmp_path / "disk", 8) as remount:
         data = tmp_path / "disk" / "data"
         shutil.copytree(data_dir / "prepared", data / "prepared")
         extract = ["03_extract_hidden_states.py", "--data-dir", data, "--max-tokens-per-batch", 2048, "--dtype", "float32"]
@@ -198,19 +198,19 @@ def test_a_full_disk_is_one_line_and_the_rerun_completes_identically(tmp_path, d
         assert_user_error(proc, f"the disk holding {data} is full", "rerun")
         hs = data / "hidden_states" / hs_dir.name
         assert list(hs.glob("hs_*.safetensors")) and not list(data.rglob("*.tmp*"))  # finished rows kept, no part
-        grow(200)
+        remount("size=200m")
         stage(*extract)
         for reference in hs_dir.glob("hs_*.safetensors"):
             assert (hs / reference.name).read_bytes() == reference.read_bytes(), reference.name
 
     train = ["--data-dir", data_dir, "--max-steps", 2, "--save-every", 1, "--max-seq-len", 512, "--val-ratio", 0,
              "--num-workers", 1]
-    with small_disk(tmp_path / "disk2", 200) as grow:  # room for one checkpoint (~130 MB), not two
+    with small_disk(tmp_path / "disk2", 200) as remount:  # room for one checkpoint (~130 MB), not two
         out = tmp_path / "disk2" / "out"
         assert_user_error(stage("04_train.py", *train, "--output-dir", out, check=False),
                           f"the disk holding {out / 'checkpoints'} is full", "saving step_2", "--resume")
         assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_1"]  # the one before, intact
-        grow(400)
+        remount("size=400m")
         stage("04_train.py", *train, "--output-dir", out, "--resume")
         stage("04_train.py", *train, "--output-dir", tmp_path / "reference")
         resumed, reference = (torch.load(o / "checkpoints" / "latest" / "training_state.pt", weights_only=False)
@@ -218,6 +218,15 @@ def test_a_full_disk_is_one_line_and_the_rerun_completes_identically(tmp_path, d
         assert resumed["step"] == reference["step"] == 2
         for name in reference["model"]:
             torch.testing.assert_close(resumed["model"][name], reference["model"][name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_read_only_output_is_one_line(tmp_path, data_dir):
+    with small_disk(tmp_path / "ro", 64) as remount:
+        shutil.copytree(data_dir / "prepared", tmp_path / "ro" / "data" / "prepared")
+        remount("ro")
+        for script, args in [("03_extract_hidden_states.py", ["--data-dir", tmp_path / "ro" / "data"]),
+                             ("04_train.py", ["--data-dir", data_dir, "--output-dir", tmp_path / "ro" / "out"])]:
+            assert_user_error(stage(script, *args, check=False), str(tmp_path / "ro"), "read-only file system")
 
 
 def test_a_verifier_with_missing_weights_is_refused(tmp_path, data_dir, other_verifier):
