@@ -5,7 +5,7 @@ import random
 import time
 from collections import Counter
 
-from common.cli import UserError, add_verifier_flags, parse_rows, run_stage, stage_parser
+from common.cli import UserError, add_verifier_flags, number, parse_rows, run_stage, stage_parser
 from common.data import is_held_out, load_records, normalize, prepare_rows, rows_hash
 from common.log import Progress, log
 from common.manifest import atomic_dir, output_lock, write_manifest
@@ -21,9 +21,9 @@ def build_parser():
                    help="'sharegpt' (built in), a local .json/.jsonl/.parquet file, or a datasets.load_dataset name")
     p.add_argument("--split", default="train", help="split to read from a Hugging Face dataset")
     p.add_argument("--data-dir", default="data", help="data root; rows go to <data-dir>/prepared/rows_A-B")
-    p.add_argument("--max-seq-len", type=int, default=2048, help="truncate each row to this many tokens")
+    p.add_argument("--max-seq-len", type=number(int, 1), default=2048, help="truncate each row to this many tokens")
     p.add_argument("--rows", help="A-B: take conversations A..B-1 of the shuffled list (to shard big jobs)")
-    p.add_argument("--num-samples", type=int, help="take the first N conversations (same as --rows 0-N)")
+    p.add_argument("--num-samples", type=number(int, 1), help="take the first N conversations (same as --rows 0-N)")
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffle of the conversation list")
     p.add_argument("--no-shuffle", action="store_true", help="keep the source order")
     p.add_argument("--reasoning", choices=["train", "drop"], default="train",
@@ -35,14 +35,14 @@ def build_parser():
     g.add_argument("--regenerate", choices=["none", "vllm", "transformers"], default="none",
                    help="backend that regenerates the replies (vllm: what you serve with; transformers: batched "
                         "generate on a GPU without vLLM); kept under <data-dir>/regenerated/rows_A-B, resumable")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy replies; above 0 samples them")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling share, with --temperature > 0")
-    g.add_argument("--max-new-tokens", type=int, default=512,
+    g.add_argument("--temperature", type=number(float, 0), default=0.0, help="0 = greedy replies; above 0 samples them")
+    g.add_argument("--top-p", type=number(float, 0, 1, low_open=True), default=1.0, help="nucleus sampling share, with --temperature > 0")
+    g.add_argument("--max-new-tokens", type=number(int, 1), default=512,
                    help="longest reply; a reply cut here is trained without the end-of-turn token after it "
                         "(the conversation goes on), a greedy loop in it cut after two periods")
-    g.add_argument("--regen-chunk", type=int, default=1024,
+    g.add_argument("--regen-chunk", type=number(int, 1), default=1024,
                    help="conversations per resumable part (one file each, written when the part is done)")
-    g.add_argument("--regen-batch-tokens", type=int, default=1 << 20,
+    g.add_argument("--regen-batch-tokens", type=number(int, 1), default=1 << 20,
                    help="transformers: prompt+reply tokens per padded batch, or of the KV cache of the slots or the "
                         "continuous batching (GPU memory; slots: this many tokens / --max-seq-len rows)")
     g.add_argument("--regen-batching", choices=["auto", "padded", "continuous", "slots"], default="auto",
@@ -50,27 +50,15 @@ def build_parser():
                         "cache; its scheduler is slow); or slots (a fixed KV cache of rows refilled as replies end, "
                         "Llama-style verifiers, the fast one on a GPU); auto: slots on CUDA for the verifiers it "
                         "supports, else padded")
-    g.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs the verifier is split over")
+    g.add_argument("--tensor-parallel-size", type=number(int, 1), default=1, help="vllm: GPUs the verifier is split over")
     g.add_argument("--device", default="auto", help="transformers: device of the verifier (auto: cuda if there is one)")
     return p
 
 
 def run(args):
-    if args.max_seq_len <= 0:
-        raise UserError(f"--max-seq-len {args.max_seq_len}: must be a positive number of tokens")
     if args.rows and args.num_samples:
         raise UserError("give --rows or --num-samples, not both")
-    if args.num_samples is not None and args.num_samples <= 0:
-        raise UserError(f"--num-samples {args.num_samples}: must be positive")
     if args.regenerate != "none":
-        for flag, value, ok in [("--temperature", args.temperature, args.temperature >= 0),
-                                ("--top-p", args.top_p, 0 < args.top_p <= 1),
-                                ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1),
-                                ("--regen-chunk", args.regen_chunk, args.regen_chunk >= 1),
-                                ("--regen-batch-tokens", args.regen_batch_tokens, args.regen_batch_tokens >= 1),
-                                ("--tensor-parallel-size", args.tensor_parallel_size, args.tensor_parallel_size >= 1)]:
-            if not ok:
-                raise UserError(f"{flag} {value}: out of range (see --help)")
         import torch
         if args.device == "auto":
             args.device = "cuda" if torch.cuda.is_available() else "cpu"

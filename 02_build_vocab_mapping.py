@@ -6,7 +6,7 @@ import time
 import numpy as np
 import torch
 
-from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
+from common.cli import UserError, add_verifier_flags, number, run_stage, stage_parser
 from common.data import load_prepared
 from common.log import log
 from common.manifest import (atomic_dir, find_stage_dirs, output_lock, prepared_fingerprint, read_manifest,
@@ -22,14 +22,12 @@ def build_parser():
     add_verifier_flags(p)
     p.add_argument("--data-dir", default="data", help="data root holding prepared/rows_* (all are counted)")
     p.add_argument("--prepared-dirs", nargs="+", help="count only these prepared rows_A-B folders")
-    p.add_argument("--draft-vocab-size", type=int, default=32000, help="tokens in the draft's vocabulary")
+    p.add_argument("--draft-vocab-size", type=number(int, 1), default=32000, help="tokens in the draft's vocabulary")
     p.add_argument("--output-dir", help="where to write the mapping (default <data-dir>/vocab_mapping)")
     return p
 
 
 def run(args):
-    if args.draft_vocab_size <= 0:
-        raise UserError(f"--draft-vocab-size {args.draft_vocab_size}: must be positive")
     out = args.output_dir or os.path.join(args.data_dir, "vocab_mapping")
     with output_lock(os.path.dirname(os.path.abspath(out)), f".lock.{os.path.basename(out)}"):  # one run writes it
         return build(args, out)

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
+from common.cli import UserError, add_verifier_flags, number, run_stage, stage_parser
 from common.data import load_prepared
 from common.extract import RowWriter, TransformersBackend, extract_transformers, file_is_valid, plan_batches, row_file
 from common.log import Progress, fmt_bytes, log
@@ -29,7 +29,7 @@ def build_parser():
                    help="aux layer ids, vLLM convention (id k = input of decoder layer k); default 2 N//2 N-3")
     p.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
                    help="transformers (default) or vllm (tensor parallel, for models that need it)")
-    p.add_argument("--max-tokens-per-batch", type=int, default=16384,
+    p.add_argument("--max-tokens-per-batch", type=number(int, 1), default=16384,
                    help="padded tokens per forward pass (rows x longest row); bounds memory")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda, cpu, or auto (transformers device_map over all visible GPUs)")
@@ -39,8 +39,8 @@ def build_parser():
     p.add_argument("--hidden-states-dtype", choices=["bf16", "fp8"], default="bf16",
                    help="file format of the states: bf16, or fp8 (float8_e4m3fn with one float32 scale per token, "
                         "hs-connectors' format: about half the bytes); 04 reads both")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm backend: GPUs per model")
-    p.add_argument("--writer-threads", type=int, default=4, help="threads writing files while the model runs")
+    p.add_argument("--tensor-parallel-size", type=number(int, 1), default=1, help="vllm backend: GPUs per model")
+    p.add_argument("--writer-threads", type=number(int, 1), default=4, help="threads writing files while the model runs")
     p.add_argument("--force", action="store_true", help="start even if the disk looks too small for the output")
     return p
 
@@ -168,15 +168,10 @@ def extract_locked(args, prepared, out, verifier, text_config, aux, tok_hash):
 
 
 def run(args):
-    if args.max_tokens_per_batch <= 0:
-        raise UserError(f"--max-tokens-per-batch {args.max_tokens_per_batch}: must be positive")
     if args.device != "auto" and not args.device.startswith(("cuda", "cpu")):
         raise UserError(f"--device {args.device}: use cuda, cuda:N, cpu or auto")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {args.device}: this machine has no CUDA GPU; use --device cpu")
-    if args.writer_threads < 1 or args.tensor_parallel_size < 1:
-        raise UserError(f"--writer-threads {args.writer_threads} / --tensor-parallel-size "
-                        f"{args.tensor_parallel_size}: must be at least 1")
     verifier = resolve_verifier(args.verifier_path, args)
     tokenizer = load_tokenizer(verifier, args.trust_remote_code)
     tok_hash = tokenizer_fingerprint(tokenizer)

@@ -5,10 +5,9 @@ Multi-GPU: torchrun --nproc-per-node N 04_train.py ... (one process per GPU, dat
 """
 import argparse
 import contextlib
-import math
 import os
 
-from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
+from common.cli import UserError, add_verifier_flags, number, run_stage, stage_parser
 from common.manifest import output_lock
 from common.verifier import load_text_config, resolve_verifier, verifier_fingerprint
 
@@ -22,35 +21,35 @@ def build_parser():
                    help="extracted hidden states: one or more rows_A-B folders, hidden_states/ folders or data roots")
     p.add_argument("--vocab-mapping-dir", help="output of stage 02 (default: the vocab_mapping folder beside the data)")
     p.add_argument("--output-dir", default="out", help="checkpoints, metrics.jsonl, plots and the log go here")
-    p.add_argument("--epochs", type=int, default=10, help="passes over the training rows")
-    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (overrides --epochs)")
-    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW; with --optimizer muon its AdamW group)")
+    p.add_argument("--epochs", type=number(int, 1), default=10, help="passes over the training rows")
+    p.add_argument("--max-steps", type=number(int, 1), help="stop after this many optimizer steps (overrides --epochs)")
+    p.add_argument("--lr", type=number(float, 0, low_open=True), default=3e-4, help="peak learning rate (AdamW; with --optimizer muon its AdamW group)")
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
                    help="muon: Muon on fc and the decoder layer's matrices, AdamW on the norms (speculators' default)")
-    p.add_argument("--muon-lr", type=float, help="peak lr of the Muon group (default --lr; its update is scaled to AdamW's RMS)")
+    p.add_argument("--muon-lr", type=number(float, 0, low_open=True), help="peak lr of the Muon group (default --lr; its update is scaled to AdamW's RMS)")
     p.add_argument("--norm-before-fc", action=argparse.BooleanOptionalAction, default=False,
                    help="Eagle-3.1: an RMSNorm over the concatenated aux states before fc (speculators' eagle3 default)")
     p.add_argument("--norm-output", action=argparse.BooleanOptionalAction, default=False,
                    help="Eagle-3.1: feed the normed draft output back across TTT steps (speculators' eagle3 default)")
-    p.add_argument("--min-lr-ratio", type=float, default=0.0, help="final learning rate as a share of --lr")
+    p.add_argument("--min-lr-ratio", type=number(float, 0, 1), default=0.0, help="final learning rate as a share of --lr")
     p.add_argument("--scheduler", choices=["cosine", "linear", "none"], default="cosine", help="decay after warmup")
-    p.add_argument("--warmup-steps", type=int, help="warmup steps (default: --warmup-ratio of all steps)")
-    p.add_argument("--warmup-ratio", type=float, default=0.03, help="warmup as a share of all steps")
-    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
-    p.add_argument("--grad-accum", type=int, default=1, help="packed sequences per optimizer step (per GPU)")
-    p.add_argument("--max-seq-len", type=int, default=2048,
+    p.add_argument("--warmup-steps", type=number(int, 0), help="warmup steps (default: --warmup-ratio of all steps)")
+    p.add_argument("--warmup-ratio", type=number(float, 0, 1), default=0.03, help="warmup as a share of all steps")
+    p.add_argument("--weight-decay", type=number(float, 0), default=0.01, help="AdamW weight decay")
+    p.add_argument("--grad-clip", type=number(float, 0, low_open=True), default=1.0, help="gradient norm clip")
+    p.add_argument("--grad-accum", type=number(int, 1), default=1, help="packed sequences per optimizer step (per GPU)")
+    p.add_argument("--max-seq-len", type=number(int, 2), default=2048,
                    help="tokens per packed training sequence (the batch token budget per GPU); a pack that runs "
                         "out of memory is trained in parts cut at conversation boundaries, and the log says so")
-    p.add_argument("--draft-layers", type=int, default=1,
+    p.add_argument("--draft-layers", type=number(int, 1), default=1,
                    help="decoder layers in the draft (the first reads the token embedding and fc output, as vLLM's "
                         "eagle3 drafts do; more layers cost proportionally more per drafted token at serving)")
-    p.add_argument("--draft-intermediate-size", type=int,
+    p.add_argument("--draft-intermediate-size", type=number(int, 1),
                    help="width of the draft layers' MLP (default: the verifier's); the draft's hidden size is the "
                         "verifier's, so this is where it can grow (vLLM serves any width)")
-    p.add_argument("--ttt-steps", type=int, default=3, help="test-time-training unroll: draft positions trained")
-    p.add_argument("--ttt-loss-decay", type=float, default=1.0, help="loss weight multiplier per TTT step")
-    p.add_argument("--noise-std", type=float, default=0.0, help="Gaussian noise on input hidden states (train only)")
+    p.add_argument("--ttt-steps", type=number(int, 1), default=3, help="test-time-training unroll: draft positions trained")
+    p.add_argument("--ttt-loss-decay", type=number(float, 0, low_open=True), default=1.0, help="loss weight multiplier per TTT step")
+    p.add_argument("--noise-std", type=number(float, 0), default=0.0, help="Gaussian noise on input hidden states (train only)")
     p.add_argument("--loss", default="kl_div", help="speculators loss name (kl_div, ce, ...) or a JSON dict of weights")
     p.add_argument("--loss-implementation", choices=["eager", "fused"], default="eager",
                    help="on a GPU: fused (Triton) or eager; the CPU always uses eager")
@@ -69,14 +68,14 @@ def build_parser():
                    help="with --compile: compile before the first step, so every step runs compiled "
                         "(reproducible step for step, and faster over a long run, since eager steps beside a compile run "
                         "slowly; the first step waits ~35 s on a cold cache; always so with several GPUs)")
-    p.add_argument("--val-ratio", type=float, default=0.05, help="share of rows held out for validation")
-    p.add_argument("--val-every", type=int, default=0, help="also validate every N steps (0: once per epoch)")
+    p.add_argument("--val-ratio", type=number(float, 0, 1, high_open=True), default=0.05, help="share of rows held out for validation")
+    p.add_argument("--val-every", type=number(int, 0), default=0, help="also validate every N steps (0: once per epoch)")
     p.add_argument("--best-by", choices=["accept", "loss"], default="accept",
                    help="which validated checkpoint `best` points at: the highest estimated acceptance length "
                         "(1 + the summed all-correct rates per draft position), or the lowest loss")
-    p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: once per epoch)")
-    p.add_argument("--log-every", type=int, default=10, help="log a line every N steps")
-    p.add_argument("--num-workers", type=int, default=4,
+    p.add_argument("--save-every", type=number(int, 0), default=0, help="also checkpoint every N steps (0: once per epoch)")
+    p.add_argument("--log-every", type=number(int, 1), default=10, help="log a line every N steps")
+    p.add_argument("--num-workers", type=number(int, 0), default=4,
                    help="threads reading rows into pinned buffers ahead of the step (0 counts as 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, the data order and the noise")
     p.add_argument("--resume", action="store_true", help="continue from <output-dir>/checkpoints/latest")
@@ -102,30 +101,6 @@ def run(args):
         if not os.path.exists(metrics):
             raise UserError(f"{metrics} does not exist: nothing to plot")
         return f"wrote {plot_training(metrics, os.path.join(args.output_dir, 'training.png'))}"
-    for flag, value, low in [("--epochs", args.epochs, 1), ("--max-seq-len", args.max_seq_len, 2),
-                             ("--ttt-steps", args.ttt_steps, 1), ("--grad-accum", args.grad_accum, 1),
-                             ("--draft-layers", args.draft_layers, 1),
-                             ("--draft-intermediate-size", args.draft_intermediate_size, 1), ("--log-every", args.log_every, 1),
-                             ("--val-every", args.val_every, 0), ("--save-every", args.save_every, 0),
-                             ("--num-workers", args.num_workers, 0)]:
-        if value is not None and value < low:
-            raise UserError(f"{flag} {value}: must be at least {low}")
-    if args.max_steps is not None and args.max_steps < 1:
-        raise UserError(f"--max-steps {args.max_steps}: must be at least 1 (leave it out to train --epochs)")
-    if not 0 <= args.val_ratio < 1:
-        raise UserError(f"--val-ratio {args.val_ratio}: must be in [0, 1)")
-    # `not low <= x` rather than `x < low`: NaN fails every comparison
-    for flag, value, low, high in [("--lr", args.lr, 0, math.inf), ("--muon-lr", args.muon_lr, 0, math.inf),
-                                   ("--grad-clip", args.grad_clip, 0, math.inf),
-                                   ("--ttt-loss-decay", args.ttt_loss_decay, 0, math.inf)]:
-        if value is not None and not (low < value < high):
-            raise UserError(f"{flag} {value}: must be a positive number")
-    for flag, value, low, high in [("--weight-decay", args.weight_decay, 0, math.inf),
-                                   ("--noise-std", args.noise_std, 0, math.inf),
-                                   ("--warmup-ratio", args.warmup_ratio, 0, 1), ("--min-lr-ratio", args.min_lr_ratio, 0, 1),
-                                   ("--warmup-steps", args.warmup_steps, 0, math.inf)]:
-        if value is not None and not (low <= value <= high and math.isfinite(value)):
-            raise UserError(f"{flag} {value}: must be " + (f"at least {low}" if high == math.inf else f"in [{low}, {high}]"))
     if args.muon_lr is not None and args.optimizer != "muon":
         raise UserError("--muon-lr sets the Muon group's lr: add --optimizer muon")
     if args.compile_wait and not args.compile:

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from common.cli import UserError, add_verifier_flags, run_stage, stage_parser
+from common.cli import UserError, add_verifier_flags, number, run_stage, stage_parser
 from common.cost import draft_read, estimated_speedup, verifier_read
 from common.log import log
 from common.manifest import output_lock
@@ -26,19 +26,19 @@ def build_parser():
                         "came from) or a .jsonl/.json of prompts or conversations")
     p.add_argument("--data-dir", default="data", help="data root whose prepared rows are excluded from the prompts")
     p.add_argument("--output-dir", default="out", help="the report goes to <output-dir>/eval")
-    p.add_argument("--num-prompts", type=int, default=16, help="conversations to answer")
-    p.add_argument("--max-turns", type=int, default=2, help="user turns per conversation, answered one by one")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per answer")
-    p.add_argument("--max-prompt-len", type=int, default=1024, help="keep at most the last N prompt tokens")
-    p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens proposed per verify step")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (and the lossless check)")
+    p.add_argument("--num-prompts", type=number(int, 1), default=16, help="conversations to answer")
+    p.add_argument("--max-turns", type=number(int, 1), default=2, help="user turns per conversation, answered one by one")
+    p.add_argument("--max-new-tokens", type=number(int, 1), default=128, help="tokens generated per answer")
+    p.add_argument("--max-prompt-len", type=number(int, 1), default=1024, help="keep at most the last N prompt tokens")
+    p.add_argument("--num-speculative-tokens", type=number(int, 1), default=3, help="draft tokens proposed per verify step")
+    p.add_argument("--temperature", type=number(float, 0), default=0.0, help="0 = greedy (and the lossless check)")
     p.add_argument("--backend", choices=["vllm", "transformers"], default="vllm",
                    help="vllm (real speculative decoding) or transformers (simulated greedy chain, no vLLM needed)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="verifier dtype (default bfloat16 on a GPU, float32 on the CPU)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
+    p.add_argument("--tensor-parallel-size", type=number(int, 1), default=1,
                    help="vllm backend: GPUs the verifier (and its draft) are split over, as you serve it")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    p.add_argument("--gpu-memory-utilization", type=number(float, 0, 1, low_open=True), default=0.9,
                    help="vllm backend: share of each GPU's memory the engine may take (weights + KV cache)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="transformers backend device: cuda, cpu, or auto (the verifier spread over all GPUs by "
@@ -92,15 +92,6 @@ def check_draft(path: str, text_config) -> None:
 
 
 def run(args):
-    if args.num_speculative_tokens < 1:
-        raise UserError(f"--num-speculative-tokens {args.num_speculative_tokens}: must be at least 1")
-    if args.tensor_parallel_size < 1:
-        raise UserError(f"--tensor-parallel-size {args.tensor_parallel_size}: must be at least 1")
-    if not 0 < args.gpu_memory_utilization <= 1:
-        raise UserError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
-    if not args.temperature >= 0 or min(args.num_prompts, args.max_new_tokens, args.max_turns, args.max_prompt_len) < 1:
-        raise UserError("--temperature must be >= 0, --num-prompts, --max-new-tokens, --max-turns and --max-prompt-len "
-                        ">= 1")
     if args.backend == "transformers" and args.temperature > 0:
         raise UserError("--backend transformers simulates greedy decoding only; use --temperature 0")
     with output_lock(os.path.join(args.output_dir, "eval")):  # one evaluation writes a report

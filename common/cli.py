@@ -34,9 +34,39 @@ class Stopped(Exception):
         self.signum = signum
 
 
+def number(kind=float, low: float | None = None, high: float | None = None, low_open: bool = False,
+           high_open: bool = False):
+    """An argparse type checking a flag's range where the flag is declared, so YAML values meet the same check;
+    NaN is outside every range."""
+    if high is None:
+        rule = "a positive number" if low == 0 and low_open else f"at least {low}"
+    else:
+        rule = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+
+    def check(text: str):
+        value = kind(text)  # a ValueError here is argparse's "invalid int value: '2.5'"
+        below = low is not None and not (value > low if low_open else value >= low)
+        above = high is not None and not (value < high if high_open else value <= high)
+        if below or above or value != value:
+            raise argparse.ArgumentTypeError(f"{value}: must be {rule}")
+        return value
+    check.__name__ = kind.__name__  # argparse names the type in its other messages
+    check.rule = rule  # --help shows it
+    return check
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help gives each flag's default and, for a number, its range."""
+
+    def _get_help_string(self, action):
+        text = super()._get_help_string(action)
+        rule = getattr(action.type, "rule", None)
+        return f"{text}; {rule}" if rule else text
+
+
 def stage_parser(stage: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"{stage}.py", description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--config", help="YAML recipe from configs/; command-line flags override it")
     parser.add_argument("--log-file", help="also write the log to this file (default: <output-dir or data-dir>/logs/<stage>.log)")
     return parser

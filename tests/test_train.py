@@ -293,13 +293,13 @@ def test_bad_input_exits_2_with_one_line(tmp_path, data_dir, hs_dir, other_verif
         (["--data-dir", data_dir, "--max-steps", 0], "--max-steps"),
         (["--data-dir", data_dir, "--loss", "nonsense"], "unknown loss function"),
         (["--data-dir", data_dir, "--attn-impl", "simple_flex_attention"], "trains only on a GPU"),
-        (["--data-dir", data_dir, "--draft-layers", 0], "--draft-layers 0: must be at least 1"),
-        (["--data-dir", data_dir, "--draft-intermediate-size", 0], "--draft-intermediate-size 0: must be at least 1"),
-        (["--data-dir", data_dir, "--grad-clip", -1], "--grad-clip -1.0: must be a positive number"),
-        (["--data-dir", data_dir, "--noise-std", "nan"], "--noise-std nan: must be at least 0"),
-        (["--data-dir", data_dir, "--warmup-ratio", 1.5], "--warmup-ratio 1.5: must be in [0, 1]"),
-        (["--data-dir", data_dir, "--weight-decay", -5], "--weight-decay -5.0: must be at least 0"),
-        (["--data-dir", data_dir, "--log-every", 0], "--log-every 0: must be at least 1"),
+        (["--data-dir", data_dir, "--draft-layers", 0], "--draft-layers: 0: must be at least 1"),
+        (["--data-dir", data_dir, "--draft-intermediate-size", 0], "--draft-intermediate-size: 0: must be at least 1"),
+        (["--data-dir", data_dir, "--grad-clip", -1], "--grad-clip: -1.0: must be a positive number"),
+        (["--data-dir", data_dir, "--noise-std", "nan"], "--noise-std: nan: must be at least 0"),
+        (["--data-dir", data_dir, "--warmup-ratio", 1.5], "--warmup-ratio: 1.5: must be in [0, 1]"),
+        (["--data-dir", data_dir, "--weight-decay", -5], "--weight-decay: -5.0: must be at least 0"),
+        (["--data-dir", data_dir, "--log-every", 0], "--log-every: 0: must be at least 1"),
     ]
     for args, words in cases:
         assert_user_error(stage("04_train.py", *common, *args, check=False), words)
