@@ -5,7 +5,7 @@ import random
 import time
 from collections import Counter
 
-from common.cli import UserError, add_verifier_flags, number, parse_rows, run_stage, stage_parser
+from common.cli import UserError, add_verifier_flags, check_cuda, device, number, parse_rows, run_stage, stage_parser
 from common.data import is_held_out, load_records, normalize, prepare_rows, rows_hash
 from common.log import Progress, log
 from common.manifest import atomic_dir, output_lock, write_manifest
@@ -51,7 +51,7 @@ def build_parser():
                         "Llama-style verifiers, the fast one on a GPU); auto: slots on CUDA for the verifiers it "
                         "supports, else padded")
     g.add_argument("--tensor-parallel-size", type=number(int, 1), default=1, help="vllm: GPUs the verifier is split over")
-    g.add_argument("--device", default="auto", help="transformers: device of the verifier (auto: cuda if there is one)")
+    g.add_argument("--device", type=device, default="auto", help="transformers: device of the verifier (auto: cuda if there is one)")
     return p
 
 
@@ -62,8 +62,7 @@ def run(args):
         import torch
         if args.device == "auto":
             args.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if args.device.startswith("cuda") and not torch.cuda.is_available():
-            raise UserError(f"--device {args.device}: this machine has no CUDA GPU; use --device cpu")
+        check_cuda(args.device)
     rows_range = parse_rows(args.rows)
     start = time.time()
     verifier = resolve_verifier(args.verifier_path, args)

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from common.cli import UserError, add_verifier_flags, number, run_stage, stage_parser
+from common.cli import UserError, add_verifier_flags, check_cuda, device, number, run_stage, stage_parser
 from common.data import load_prepared
 from common.extract import RowWriter, TransformersBackend, extract_transformers, file_is_valid, plan_batches, row_file
 from common.log import Progress, fmt_bytes, log
@@ -31,7 +31,7 @@ def build_parser():
                    help="transformers (default) or vllm (tensor parallel, for models that need it)")
     p.add_argument("--max-tokens-per-batch", type=number(int, 1), default=16384,
                    help="padded tokens per forward pass (rows x longest row); bounds memory")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+    p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda, cpu, or auto (transformers device_map over all visible GPUs)")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"],
                    help="compute dtype (default bfloat16 on a GPU and on a CPU with AMX or AVX512-BF16, float32 on other CPUs); "
@@ -168,10 +168,7 @@ def extract_locked(args, prepared, out, verifier, text_config, aux, tok_hash):
 
 
 def run(args):
-    if args.device != "auto" and not args.device.startswith(("cuda", "cpu")):
-        raise UserError(f"--device {args.device}: use cuda, cuda:N, cpu or auto")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {args.device}: this machine has no CUDA GPU; use --device cpu")
+    check_cuda(args.device)
     verifier = resolve_verifier(args.verifier_path, args)
     tokenizer = load_tokenizer(verifier, args.trust_remote_code)
     tok_hash = tokenizer_fingerprint(tokenizer)

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from common.cli import UserError, add_verifier_flags, number, run_stage, stage_parser
+from common.cli import UserError, add_verifier_flags, check_cuda, device, number, run_stage, stage_parser
 from common.cost import draft_read, estimated_speedup, verifier_read
 from common.log import log
 from common.manifest import output_lock
@@ -40,7 +40,7 @@ def build_parser():
                    help="vllm backend: GPUs the verifier (and its draft) are split over, as you serve it")
     p.add_argument("--gpu-memory-utilization", type=number(float, 0, 1, low_open=True), default=0.9,
                    help="vllm backend: share of each GPU's memory the engine may take (weights + KV cache)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+    p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
                    help="transformers backend device: cuda, cpu, or auto (the verifier spread over all GPUs by "
                         "device_map, for one that does not fit a single GPU)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt choice and of sampling")
@@ -94,6 +94,7 @@ def check_draft(path: str, text_config) -> None:
 def run(args):
     if args.backend == "transformers" and args.temperature > 0:
         raise UserError("--backend transformers simulates greedy decoding only; use --temperature 0")
+    check_cuda(args.device)
     with output_lock(os.path.join(args.output_dir, "eval")):  # one evaluation writes a report
         return evaluate(args)
 

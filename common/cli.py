@@ -55,6 +55,20 @@ def number(kind=float, low: float | None = None, high: float | None = None, low_
     return check
 
 
+def device(text: str) -> str:
+    """An argparse type: cpu, cuda, cuda:N or auto."""
+    if text not in ("auto", "cpu", "cuda") and not (text.startswith("cuda:") and text[5:].isdigit()):
+        raise argparse.ArgumentTypeError(f"{text}: use cuda, cuda:N, cpu or auto")
+    return text
+
+
+def check_cuda(device_flag: str) -> None:
+    """A CUDA device asked for on a machine without one: one line, before anything loads."""
+    import torch
+    if device_flag.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device_flag}: this machine has no CUDA GPU; use --device cpu")
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help gives each flag's default and, for a number, its range."""
 

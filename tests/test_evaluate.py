@@ -101,6 +101,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, trained, data_dir, other_veri
         (["--draft-path", best, "--compare", best], "the same draft is given twice"),
         (["--draft-path", best, "--temperature", "nan"], "--temperature: nan: must be at least 0"),
         (["--draft-path", best, "--max-turns", 0], "--max-turns"),
+        (["--draft-path", best, "--backend", "transformers", "--device", "cuda"], "no CUDA"),
         (["--draft-path", damaged["torn_weights"]], "model.safetensors is truncated"),
         (["--draft-path", damaged["no_weights"], "--backend", "transformers"], "has no model.safetensors"),
         (["--draft-path", damaged["torn_config"]], "config.json is damaged"),
