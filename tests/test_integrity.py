@@ -172,6 +172,11 @@ def test_resume_is_the_same_run_and_finds_its_checkpoints(tmp_path, data_dir):
     assert [r["step"] for r in records(out, "train")] == [1, 2, 3, 4, 5]  # step 4 once: its replay replaced the first
     assert torch.load(out / "checkpoints" / "latest" / "training_state.pt", weights_only=False)["step"] == 5
 
+    (out / "checkpoints" / "latest").unlink()
+    (out / "checkpoints" / "latest").symlink_to("step_9")  # a link to a folder someone deleted
+    log = stage("04_train.py", *run, "--resume", "--max-steps", 6).stdout
+    assert "a link to a missing folder" in log and f"resumed from {os.path.realpath(out / 'checkpoints' / 'step_5')}" in log
+
 
 @contextlib.contextmanager
 def small_disk(path, mib: int):
