@@ -110,7 +110,9 @@ def test_sigterm_saves_a_checkpoint_and_the_named_command_resumes(tmp_path, data
     out = tmp_path / "out"
     args = [sys.executable, os.path.join(ROOT, "04_train.py"), "--data-dir", str(data_dir), "--output-dir", str(out),
             "--max-steps", "12", "--max-seq-len", "512", "--num-workers", "1", "--log-every", "1", "--val-ratio", "0.1"]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGHUP as a login shell leaves it (a suite started under nohup hands its children an ignored SIGHUP)
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     metrics = out / "metrics.jsonl"
     while proc.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
         time.sleep(0.1)
