@@ -78,7 +78,8 @@ def build_parser():
     p.add_argument("--num-workers", type=number(int, 0), default=4,
                    help="threads reading rows into pinned buffers ahead of the step (0 counts as 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, the data order and the noise")
-    p.add_argument("--resume", action="store_true", help="continue from <output-dir>/checkpoints/latest")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in <output-dir>/checkpoints that loads "
+                        "(`latest`, or with a warning the one before); settings that change the run must match")
     p.add_argument("--plot", action="store_true", help="only redraw <output-dir>/training.png from metrics.jsonl")
     return p
 
@@ -114,8 +115,9 @@ def run(args):
     os.makedirs(args.output_dir, exist_ok=True)
     rank0 = int(os.environ.get("RANK", 0)) == 0
     with output_lock(args.output_dir) if rank0 else contextlib.nullcontext():  # one run writes a folder
-        if not args.resume and checkpoint_entries(args.output_dir):  # `latest` alone may be gone (rsync without -l)
-            raise UserError(f"{args.output_dir}/checkpoints already holds {', '.join(checkpoint_entries(args.output_dir))}: "
+        existing = checkpoint_entries(args.output_dir)  # not `latest` alone: it may be gone (rsync without -l)
+        if existing and not args.resume:
+            raise UserError(f"{args.output_dir}/checkpoints already holds {', '.join(existing)}: "
                             "pass --resume to continue, or a new --output-dir")
         if not args.resume and os.path.exists(metrics) and rank0:  # rank 0 alone writes the metrics
             os.remove(metrics)

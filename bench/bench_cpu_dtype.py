@@ -32,7 +32,7 @@ def matmul_gflops(dtype: str, m=1024, k=576, n=8192, reps=20) -> float:
     return 2 * m * k * n * reps / (time.perf_counter() - t) / 1e9
 
 
-def muon_orthogonalizations_per_s(dtype: str, hidden=576, mlp=1536, kv=192, reps=3) -> float:
+def muon_orthogonalizations_per_s(dtype: str, hidden=576, mlp=1536, kv=192, reps=1) -> float:
     """Muon's Newton-Schulz over the matrices of SmolLM2's standard draft (fc, attention, MLP): torch's, in
     bfloat16, against common/train.py's float32 one, which 04 uses where the CPU has no bfloat16 units."""
     import torch.optim._muon as muon

@@ -141,13 +141,13 @@ def keep_metrics_until(path: str, step: int) -> None:
         return
     kept = []
     with open(path) as f:
-        for number, line in enumerate(f, 1):
+        for line_no, line in enumerate(f, 1):
             try:
                 if json.loads(line)["step"] <= step:
                     kept.append(line if line.endswith("\n") else line + "\n")
             except (ValueError, KeyError, TypeError):
                 if line.strip():
-                    log.warning(f"{path} line {number} is damaged (a write cut short?): dropped")
+                    log.warning(f"{path} line {line_no} is damaged (a write cut short?): dropped")
     atomic_write_text(path, "".join(kept))
 
 

@@ -206,7 +206,8 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:  # no tokenizer files: transformers' message lists converters, not the cause
-        files = sorted(n for n in os.listdir(path) if "token" in n or n.endswith((".model", ".tiktoken")))
+        files = sorted(n for n in (os.listdir(path) if os.path.isdir(path) else [])
+                       if "token" in n or n.endswith((".model", ".tiktoken")))
         raise UserError(f"{path}: its tokenizer does not load ({type(e).__name__}: {str(e).splitlines()[0][:120]}; "
                         f"tokenizer files there: {', '.join(files) or 'none'}); copy the model's tokenizer files "
                         "beside its weights") from e
