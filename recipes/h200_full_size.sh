@@ -15,6 +15,8 @@
 #          D (ours on orig + regen: every conversation twice, once with each reply; $D_EPOCHS epochs), the
 #          others $EPOCHS epochs; B=0 skips b; all use orig's vocab mapping. Without regenerated data, C trains
 #          on orig (the 2026-12-03 runs a and c).
+#   ORIG=0: no orig at all (nor a, ABL, d): the regenerated rows get their own vocab mapping and b trains on them.
+#   RFLAGS="...": more 01 flags for the regeneration (--regen-batch-tokens, --temperature, ...).
 #   RW=DIR: where the regenerated rows and their states go ($W/regen; another disk, /dev/shm say, when orig's
 #          states leave too little room: all 17,671 conversations' fp8 states are 52 GB of the machine's 64).
 #   DEADLINE=S: S seconds after the start every training still running is stopped (SIGTERM: 04 checkpoints)
@@ -39,7 +41,7 @@ set -uo pipefail
 W=${W:-/tmp/e3}; N=${N:-17671}; SHARDS=${SHARDS:-8}; RSHARD=${RSHARD:-2000}; REGEN_S=${REGEN_S:-0}
 NREGEN=${NREGEN:-4000}; EPOCHS=${EPOCHS:-3}; PY=${PY:-python3}; CFG=${CFG:-configs/full-size.yaml}; C=${C:-0}
 A=${A:-1}; BENCH=${BENCH:-0}; ABL=${ABL:-}; LONG=${LONG:-0}; LONG_LENS=${LONG_LENS:-32768 16384 8192}
-RW=${RW:-$W/regen}; RPAR=${RPAR:-1}; B=${B:-1}; D_EPOCHS=${D_EPOCHS:-$EPOCHS}; DEADLINE=${DEADLINE:-0}; BENCH_PROMPTS=${BENCH_PROMPTS:-256}
+ORIG=${ORIG:-1}; RFLAGS=${RFLAGS:-}; RW=${RW:-$W/regen}; RPAR=${RPAR:-1}; B=${B:-1}; D_EPOCHS=${D_EPOCHS:-$EPOCHS}; DEADLINE=${DEADLINE:-0}; BENCH_PROMPTS=${BENCH_PROMPTS:-256}
 [ "$ABL" = 1 ] && ABL="ttt5 lk l1 w4"; [ "$ABL" = 0 ] && ABL=
 abl_flags() {  # NAME[+NAME...] -> its 04 flags over the config
   local part
@@ -82,7 +84,7 @@ regen_loop() {  # FROM TO: shards of RSHARD conversations, one at a time (the GP
     local now=$(( $(date +%s) - T0 )); [ $((now + last)) -gt $REGEN_S ] && break
     local b=$((a + RSHARD)); [ $b -gt $end ] && b=$end
     local s=$(date +%s)
-    $PY 01_prepare_dataset.py --config $CFG --data-dir $RW --rows $a-$b --regen-chunk $RSHARD \
+    $PY 01_prepare_dataset.py --config $CFG --data-dir $RW --rows $a-$b --regen-chunk $RSHARD $RFLAGS \
       > $W/logs/01_regen_$a-$b.out 2>&1 || { say "01 regen $a-$b failed"; break; }
     last=$(( $(date +%s) - s )); say "01 regen $a-$b: ${last}s, $(grep -h 'regenerated [0-9,]* replies' $W/logs/01_regen_$a-$b.out)"
     a=$b
@@ -107,6 +109,7 @@ fi
 say "01 orig: $SHARDS shards of 0-$N; regeneration in shards of $RSHARD for ${REGEN_S}s"
 [ "$BENCH" = 1 ] && wait $bench  # the regeneration wants the GPU's timings clean, and the GPU
 regen=(); for lane in $(ranges $NREGEN $RPAR); do regen_loop ${lane%-*} ${lane#*-} & regen+=($!); done
+if [ "$ORIG" = 1 ]; then
 orig=()
 for r in $(ranges $N $SHARDS); do
   $PY 01_prepare_dataset.py --config $CFG --data-dir $W/orig --rows $r --regenerate none > $W/logs/01_orig_$r.out 2>&1 & orig+=($!)
@@ -124,15 +127,17 @@ say "03 orig: $(tail -1 $W/logs/03_orig.out); disk $(df -h $W | tail -1)"
 [ ${#maps[@]} -gt 0 ] && wait "${maps[@]}"; say "02 done"  # a bare wait would also wait for the regeneration
 [ "$A" = 1 ] && train a --data-dir $W/orig &
 for abl in $ABL; do train $abl --data-dir $W/orig $(abl_flags $abl) & done
+fi
 
 wait "${regen[@]}"; say "regeneration done"
 CDATA=$W/orig
 if ls -d $RW/prepared/rows_* > /dev/null 2>&1; then
-  [ "$C" = 1 ] && $PY 02_build_vocab_mapping.py --config $CFG --data-dir $RW > $W/logs/02_regen.out 2>&1  # c's
+  MAP=$W/orig/vocab_mapping; [ "$ORIG" = 1 ] || MAP=$RW/vocab_mapping
+  [ "$C" = 1 ] || [ "$ORIG" != 1 ] && { $PY 02_build_vocab_mapping.py --config $CFG --data-dir $RW > $W/logs/02_regen.out 2>&1 & }  # c's, or b's
   $PY 03_extract_hidden_states.py --config $CFG --data-dir $RW > $W/logs/03_regen.out 2>&1
-  say "03 regen: $(tail -1 $W/logs/03_regen.out)"
-  [ "$B" = 1 ] && train b --data-dir $RW --vocab-mapping-dir $W/orig/vocab_mapping &
-  EPOCHS=$D_EPOCHS train d --data-dir $W/orig $RW --vocab-mapping-dir $W/orig/vocab_mapping &
+  say "03 regen: $(tail -1 $W/logs/03_regen.out)"; wait $! 2>/dev/null
+  [ "$B" = 1 ] && train b --data-dir $RW --vocab-mapping-dir $MAP &
+  [ "$ORIG" = 1 ] && EPOCHS=$D_EPOCHS train d --data-dir $W/orig $RW --vocab-mapping-dir $MAP &
   CDATA=$RW
 fi
 if [ "$C" = 1 ]; then
