@@ -2,9 +2,9 @@
 """Where the slots decoder's step goes (01 --regen-batching slots): one decode step of common/slot_decode.py
 at N slots, replayed from its CUDA graph and profiled eagerly, on random weights of SmolLM2-135M's shapes
 (speed does not depend on their values; no verifier files needed). Prints the replay time per span, tokens/s
-if every slot were busy, the eager step's heaviest CUDA kernels, one layer's attention written four ways, and
+if every slot were busy, the eager step's heaviest CUDA kernels, one layer's attention written seven ways, and
 with --generate a whole generate() run's rate and its host and GPU profiles.
-Usage: python bench/profile_slot_step.py --slots 512 --position 1500
+Usage: python bench/profile_slot_step.py --slots 512 1024 --position 1500 --generate 2048 --profile
 """
 import argparse
 import os
@@ -21,7 +21,6 @@ def main():
     p.add_argument("--slots", type=int, nargs="+", default=[256, 512, 1024], help="rows of the KV cache")
     p.add_argument("--max-len", type=int, default=2048, help="the length of each cache row")
     p.add_argument("--position", type=int, default=1500, help="where every slot stands (sets the span)")
-    p.add_argument("--attention", nargs="+", default=["sdpa", "flex"], help="the slot decoder's attentions to time")
     p.add_argument("--profile", action="store_true", help="print the eager step's kernels and generate()'s profiles")
     p.add_argument("--generate", type=int, default=0,
                    help="also time generate() over this many random prompts (64-1024 tokens, 32-512 new) at the "
@@ -31,8 +30,8 @@ def main():
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0)
     model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
-    for slots, attention in [(s, a) for s in args.slots for a in args.attention]:
-        dec = SlotDecoder(model, slots, args.max_len, prefill_tokens=32768, attention=attention)
+    for slots in args.slots:
+        dec = SlotDecoder(model, slots, args.max_len, prefill_tokens=32768)
         tokens = torch.randint(0, 49152, (slots,), device="cuda")
         pos = torch.full((slots,), args.position, device="cuda")
         for span in dec.spans:
@@ -47,19 +46,19 @@ def main():
             end.record()
             torch.cuda.synchronize()
             ms = start.elapsed_time(end) / 20
-            print(f"{attention} slots {slots} span {span}: graph replay {ms:.2f} ms a step, {slots / ms * 1000:,.0f} tok/s if all busy",
+            print(f"slots {slots} span {span}: graph replay {ms:.2f} ms a step, {slots / ms * 1000:,.0f} tok/s if all busy",
                   flush=True)
         if args.profile:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 dec.step(tokens, pos, dec.spans[-1])
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
-        if attention == args.attention[0] and args.profile:
+        if args.profile:
             attention_variants(slots, dec.kv_heads, dec.heads // dec.kv_heads, dec.head_dim, args.max_len, args.position)
         del dec
         torch.cuda.empty_cache()
-    for slots, attention in [(s, a) for s in args.slots for a in args.attention] if args.generate else []:
-        time_generate(model, slots, args.max_len, args.generate, attention, args.profile)
+    for slots in args.slots if args.generate else []:
+        time_generate(model, slots, args.max_len, args.generate, args.profile)
 
 
 def timed(fn, repeat=20) -> float:
@@ -76,7 +75,8 @@ def timed(fn, repeat=20) -> float:
 
 
 def attention_variants(n, kv_heads, groups, hd, max_len, position):
-    """One layer's decode attention over the slots, written four ways (the step runs it 30 times)."""
+    """One layer's decode attention over the slots, written seven ways (the step runs it 30 times): flex
+    attention, which reads each slot's blocks up to its own position only, was the slowest kernel that reads little."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     q = torch.randn(n, kv_heads, groups, hd, device="cuda", dtype=torch.bfloat16)
@@ -98,6 +98,15 @@ def attention_variants(n, kv_heads, groups, hd, max_len, position):
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         variants[name] = run
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    block = 128
+    indices = torch.arange(max_len // block, dtype=torch.int32, device="cuda").expand(n, 1, 1, -1).contiguous()
+    blocks = (pos // block + 1).view(n, 1, 1).to(torch.int32)
+    block_mask = BlockMask.from_kv_blocks(blocks, indices, BLOCK_SIZE=block, mask_mod=lambda b, h, qi, kv: kv <= pos[b],
+                                          seq_lengths=(1, max_len), compute_q_blocks=False)
+    flex = torch.compile(flex_attention, dynamic=False)
+    variants["flex, own blocks"] = lambda: flex(q.reshape(n, kv_heads * groups, 1, hd), k, v, block_mask=block_mask,
+                                                enable_gqa=True)
     gb = 2 * k.numel() * k.element_size() / 1e9
     for name, fn in variants.items():
         try:
@@ -108,13 +117,13 @@ def attention_variants(n, kv_heads, groups, hd, max_len, position):
             print(f"attention {name:>20}: fails ({str(e).splitlines()[0][:120]})", flush=True)
 
 
-def time_generate(model, slots, max_len, count, attention, profile):
+def time_generate(model, slots, max_len, count, profile):
     import random
     import time
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 49152) for _ in range(rng.randrange(64, 1024))] for _ in range(count)]
     max_new = [rng.randrange(32, 512) for _ in range(count)]
-    dec = SlotDecoder(model, slots, max_len, prefill_tokens=32768, attention=attention)
+    dec = SlotDecoder(model, slots, max_len, prefill_tokens=32768)
     pick = lambda logits: logits.argmax(-1)  # noqa: E731
     dec.generate(prompts[:8], max_new[:8], pick, eos=0)
     torch.cuda.synchronize()
@@ -123,7 +132,7 @@ def time_generate(model, slots, max_len, count, attention, profile):
     torch.cuda.synchronize()
     seconds = time.time() - t0
     tokens = sum(len(r) for r, _ in out)
-    print(f"{attention} generate: {count} prompts, {tokens:,} tokens in {seconds:.1f}s = {tokens / seconds:,.0f} tok/s at {slots} "
+    print(f"generate: {count} prompts, {tokens:,} tokens in {seconds:.1f}s = {tokens / seconds:,.0f} tok/s at {slots} "
           f"slots", flush=True)
     if not profile:
         return

@@ -7,9 +7,7 @@ scheduler held one core at 1.6K tokens/s on the H200. Here every row owns one sl
 slots at once (a finished slot's work is wasted until it is refilled), and free slots are refilled in
 groups: the new prompts are prefilled by the model's own forward (right-padded) and their keys and
 values copied into the slots. The decode step reuses the model's modules and transformers' rotary
-code, so only the attention over the slots is written here: on a GPU flex attention over blocks of the
-cache, each slot reading its own blocks up to its position (a dense attention over the longest position in
-use read every slot's whole span: 11 of a step's 15 ms at 512 slots, docs/benchmarks.md); elsewhere SDPA.
+code, so only the attention over the slots is written here.
 """
 from collections import deque
 
@@ -18,8 +16,6 @@ import torch.nn.functional as F
 
 from common.cli import UserError
 from common.log import log
-
-BLOCK = 128  # flex attention's KV block: a slot reads the blocks up to its own position
 
 
 def supported(model) -> bool:
@@ -41,9 +37,7 @@ def check_supported(model) -> None:
 
 
 class SlotDecoder:
-    def __init__(self, model, slots: int, max_len: int, prefill_tokens: int, attention: str = "auto"):
-        """`attention`: "flex" (per-slot lengths), "sdpa" (dense up to the longest position in use), or
-        "auto": flex on a GPU, where it is compiled, and SDPA elsewhere (eager flex computes every position)."""
+    def __init__(self, model, slots: int, max_len: int, prefill_tokens: int):
         check_supported(model)
         self.model, self.inner = model, model.model
         c = model.config
@@ -51,53 +45,22 @@ class SlotDecoder:
         self.kv_heads = getattr(c, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.heads
         p = next(model.parameters())
-        cuda = p.device.type == "cuda"
-        self.flex = attention == "flex" or (attention == "auto" and cuda)
-        length = -(-max_len // BLOCK) * BLOCK if self.flex else max_len  # whole blocks for flex
-        shape = (len(self.inner.layers), slots, self.kv_heads, length, self.head_dim)
+        shape = (len(self.inner.layers), slots, self.kv_heads, max_len, self.head_dim)
         self.keys = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.values = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.slots, self.max_len, self.prefill_tokens = slots, max_len, prefill_tokens
         self.rows = torch.arange(slots, device=p.device)
-        self.span = torch.arange(length, device=p.device)
-        # SDPA reads the cache only up to the longest position in use, rounded up to one of these spans:
-        # a step over the whole max_len read mostly empty cache (its bytes bound the step)
-        self.sdpa_spans = sorted({min(max_len, 256 << i) for i in range(max(1, max_len.bit_length()))})
-        self.spans = self.sdpa_spans
-        if self.flex:
-            self.setup_flex(length, compiled=cuda)
+        self.span = torch.arange(max_len, device=p.device)
+        # attention reads the cache only up to the longest position in use, rounded up to one of these
+        # spans: a step over the whole max_len read mostly empty cache (its bytes bound the step)
+        self.spans = sorted({min(max_len, 256 << i) for i in range(max(1, max_len.bit_length()))})
         self.graphs = {}
-        if cuda:
-            self.capture_or_fall_back()
-
-    def capture_or_fall_back(self) -> None:
-        try:
-            self.capture()
-        except Exception as e:  # noqa: BLE001 - a step that cannot be compiled or recorded still runs
-            self.graphs = {}
-            if self.flex:
-                log.warning(f"slots: flex attention failed, the step uses SDPA ({str(e)[:200]})")
-                self.flex, self.spans = False, self.sdpa_spans
-                return self.capture_or_fall_back()
-            log.warning(f"slots: decode step not captured as a CUDA graph, running eagerly ({str(e)[:200]})")
-
-    def setup_flex(self, length: int, compiled: bool) -> None:
-        """A block mask whose tensors the step updates in place: slot b reads blocks 0..pos[b] // BLOCK,
-        and within the last one the positions up to pos[b]."""
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention
-        device = self.keys.device
-        self.positions = torch.zeros(self.slots, dtype=torch.long, device=device)
-        self.kv_blocks = torch.ones((self.slots, 1, 1), dtype=torch.int32, device=device)
-        indices = torch.arange(length // BLOCK, dtype=torch.int32, device=device).expand(self.slots, 1, 1, -1)
-        positions = self.positions
-
-        def up_to_position(b, h, q, kv):
-            return kv <= positions[b]
-        self.block_mask = BlockMask.from_kv_blocks(self.kv_blocks, indices.contiguous(), BLOCK_SIZE=BLOCK,
-                                                   mask_mod=up_to_position, seq_lengths=(1, length),
-                                                   compute_q_blocks=False)
-        self.attend = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
-        self.spans = [length]  # one graph: the mask, not the span, bounds what a slot reads
+        if p.device.type == "cuda":
+            try:
+                self.capture()
+            except RuntimeError as e:  # a model whose step cannot be recorded still runs, eagerly
+                log.warning(f"slots: decode step not captured as a CUDA graph, running eagerly ({str(e)[:200]})")
+                self.graphs = {}
 
     def capture(self) -> None:
         """Record the decode step once per span as a CUDA graph (one memory pool): one launch a step instead
@@ -157,11 +120,7 @@ class SlotDecoder:
         cos, sin = self.inner.rotary_emb(x, pos[:, None])
         # a slot sees its cache up to its own position; the query heads that share a key head ride as
         # that head's rows of queries, so grouped attention needs no copies of the cache
-        if self.flex:
-            self.positions.copy_(pos)
-            self.kv_blocks.copy_((pos // BLOCK + 1).view(-1, 1, 1))
-        else:
-            mask = (self.span[None, :span] <= pos[:, None])[:, None, None, :]
+        mask = (self.span[None, :span] <= pos[:, None])[:, None, None, :]
         for i, layer in enumerate(self.inner.layers):
             a = layer.self_attn
             h = layer.input_layernorm(x)
@@ -172,13 +131,8 @@ class SlotDecoder:
             q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             self.keys[i][self.rows, :, pos] = k[:, :, 0]
             self.values[i][self.rows, :, pos] = a.v_proj(h).view(n, self.kv_heads, hd)
-            if self.flex:  # head h reads key head h // groups, as below
-                o = self.attend(q, self.keys[i], self.values[i], block_mask=self.block_mask, scale=a.scaling,
-                                enable_gqa=True).transpose(1, 2)
-            else:
-                o = F.scaled_dot_product_attention(q.reshape(n, self.kv_heads, groups, hd),
-                                                   self.keys[i][:, :, :span], self.values[i][:, :, :span],
-                                                   attn_mask=mask, scale=a.scaling)
+            o = F.scaled_dot_product_attention(q.reshape(n, self.kv_heads, groups, hd), self.keys[i][:, :, :span],
+                                               self.values[i][:, :, :span], attn_mask=mask, scale=a.scaling)
             x = x + a.o_proj(o.reshape(n, 1, self.heads * hd))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.lm_head(self.inner.norm(x)[:, 0]).float()
@@ -234,11 +188,8 @@ class SlotDecoder:
             tokens = pick(self.decode(tokens, pos, max(at_pos[s] for s in owner)))
             pos = torch.clamp(pos + 1, max=self.max_len - 1)  # free slots run on harmlessly, masked
             host = tokens.tolist()
-            freed = len(free)
             for slot, i in list(owner.items()):
                 del owner[slot]
                 at_pos[slot] += 1
                 take(slot, i, host[slot])
-            if self.flex and len(free) > freed:  # a free slot reads one block, not its old length
-                pos[torch.tensor(free[freed:], device=device)] = 0
         return results
