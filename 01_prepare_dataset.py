@@ -5,7 +5,8 @@ import random
 import time
 from collections import Counter
 
-from common.cli import UserError, add_verifier_flags, check_cuda, device, number, parse_rows, run_stage, stage_parser
+from common.errors import UserError
+from common.cli import add_verifier_flags, check_cuda, device, number, parse_rows, run_stage, stage_parser
 from common.data import is_held_out, load_records, normalize, prepare_rows, rows_hash
 from common.log import Progress, log
 from common.manifest import atomic_dir, output_lock, write_manifest

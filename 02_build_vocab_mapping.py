@@ -6,7 +6,8 @@ import time
 import numpy as np
 import torch
 
-from common.cli import UserError, add_verifier_flags, number, run_stage, stage_parser
+from common.errors import UserError
+from common.cli import add_verifier_flags, number, run_stage, stage_parser
 from common.data import load_prepared
 from common.log import log
 from common.manifest import (atomic_dir, find_stage_dirs, output_lock, prepared_fingerprint, read_manifest,

@@ -8,7 +8,8 @@ import time
 
 import torch
 
-from common.cli import UserError, add_verifier_flags, check_cuda, device, number, run_stage, stage_parser
+from common.errors import UserError
+from common.cli import add_verifier_flags, check_cuda, device, number, run_stage, stage_parser
 from common.data import load_prepared
 from common.extract import RowWriter, TransformersBackend, extract_transformers, file_is_valid, plan_batches, row_file
 from common.log import Progress, fmt_bytes, log
@@ -72,13 +73,13 @@ def scan_existing(out, rows, n_slots, hidden_size, fp8) -> tuple[list[int], int]
     return todo, corrupt
 
 
-def extract_folder(args, prepared, verifier, text_config, aux, tok_hash):
+def extract_folder(args, backend, pad_id, prepared, verifier, text_config, aux, tok_hash):
     out = os.path.join(args.data_dir, "hidden_states", os.path.basename(prepared.rstrip("/")))
     with output_lock(out):  # one run writes a folder
-        return extract_locked(args, prepared, out, verifier, text_config, aux, tok_hash)
+        return extract_locked(args, backend, pad_id, prepared, out, verifier, text_config, aux, tok_hash)
 
 
-def extract_locked(args, prepared, out, verifier, text_config, aux, tok_hash):
+def extract_locked(args, backend, pad_id, prepared, out, verifier, text_config, aux, tok_hash):
     fp8 = args.hidden_states_dtype == "fp8"
     config = extract_config(text_config, aux, fp8)
     cfg_path = os.path.join(out, "extract_config.json")
@@ -139,11 +140,11 @@ def extract_locked(args, prepared, out, verifier, text_config, aux, tok_hash):
                 on_done(n_rows)
             for batch in batches:
                 tokens = sum(len(rows[i]["input_ids"]) for i in batch)
-                extract_transformers(args._backend, [batch], rows, set(todo_rows), out, writer, args._pad_id,
+                extract_transformers(backend, [batch], rows, set(todo_rows), out, writer, pad_id,
                                      lambda n, t=tokens: count(n, t))
         else:
             from common.vllm_extract import extract_vllm
-            extract_vllm(args._backend, todo_rows, out, writer, args.max_tokens_per_batch,
+            extract_vllm(backend, todo_rows, out, writer, args.max_tokens_per_batch,
                          lambda n, t: (done_tokens.__setitem__("n", done_tokens["n"] + t), on_done(n)))
         writer.close()
         progress.close()
@@ -184,14 +185,14 @@ def run(args):
     aux = check_aux_layers(args.layers if args.layers else default_aux_layers(n), n)
     log.info(f"verifier {verifier}: {n} layers, hidden {text_config.hidden_size}; aux layers {aux} + final layer {n}")
     args.dtype = dtype = args.dtype or compute_dtype(args.device)  # the manifest's flags record the one used
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if args.backend == "transformers":
-        args._backend = TransformersBackend.load(verifier, aux, n, dtype, args.device, args.trust_remote_code)
-        args._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        backend = TransformersBackend.load(verifier, aux, n, dtype, args.device, args.trust_remote_code)
     else:
         from common.vllm_extract import VllmBackend
-        args._backend = VllmBackend(verifier, aux, n, args.tensor_parallel_size, dtype, args.trust_remote_code,
-                                    max_len=max(read_manifest(f, "prepare")["counts"]["max_row_tokens"] for f in folders))
-    totals = [extract_folder(args, f, verifier, text_config, aux, tok_hash) for f in folders]
+        backend = VllmBackend(verifier, aux, n, args.tensor_parallel_size, dtype, args.trust_remote_code,
+                              max_len=max(read_manifest(f, "prepare")["counts"]["max_row_tokens"] for f in folders))
+    totals = [extract_folder(args, backend, pad_id, f, verifier, text_config, aux, tok_hash) for f in folders]
     rows = sum(t["rows"] for t in totals)
     done = sum(t["extracted"] for t in totals)
     gb = sum(t["bytes"] for t in totals) / 1e9

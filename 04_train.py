@@ -7,7 +7,8 @@ import argparse
 import contextlib
 import os
 
-from common.cli import UserError, add_verifier_flags, number, run_stage, stage_parser
+from common.errors import UserError
+from common.cli import add_verifier_flags, number, run_stage, stage_parser
 from common.manifest import output_lock
 from common.verifier import load_text_config, resolve_verifier, verifier_fingerprint
 

@@ -7,7 +7,8 @@ import os
 
 import torch
 
-from common.cli import UserError, add_verifier_flags, check_cuda, device, number, run_stage, stage_parser
+from common.errors import UserError
+from common.cli import add_verifier_flags, check_cuda, device, number, run_stage, stage_parser
 from common.cost import draft_read, estimated_speedup, verifier_read
 from common.log import log
 from common.manifest import output_lock

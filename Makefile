@@ -32,6 +32,7 @@ pipeline: setup
 	@cat $(OUT)/eval/eval.md
 
 test: setup
+	$(PY) -m ruff check .
 	$(PY) -m pytest tests -v --durations=15
 
 clean:

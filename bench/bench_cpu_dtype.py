@@ -38,7 +38,7 @@ def muon_orthogonalizations_per_s(dtype: str, hidden=576, mlp=1536, kv=192, reps
     import torch.optim._muon as muon
     sys.path.insert(0, ROOT)
     from common.train import orthogonalize_float32
-    run = muon._zeropower_via_newtonschulz if dtype == "bfloat16" else orthogonalize_float32
+    run = muon._zeropower_via_newtonschulz if dtype == "bfloat16" else orthogonalize_float32  # noqa: SLF001 - torch.optim.Muon's own step
     shapes = [(hidden, 3 * hidden), (hidden, 2 * hidden), (kv, 2 * hidden), (kv, 2 * hidden), (hidden, hidden),
               (mlp, hidden), (mlp, hidden), (hidden, mlp)]
     grads = [torch.randn(*s) for s in shapes]

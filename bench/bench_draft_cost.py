@@ -114,7 +114,7 @@ def measure(shape, draft, batch: int, k: int, context: int, draft_vocab: int, re
 
     t_verify, t_draft = graph_ms(verify, reps), graph_ms(draft_step, reps)
     w_verify, w_draft = weights(verifier), weights(draft_model)
-    del verifier, draft_model, v_cache, d_cache
+    verifier = draft_model = v_cache = d_cache = None  # frees them (the closures above hold them too)
     torch.cuda.empty_cache()
     return {"verify_ms": t_verify, "draft_ms": t_draft, "c_time": t_draft / t_verify, "c_weights": w_draft / w_verify,
             "draft_weights": w_draft, "verifier_weights": w_verify}

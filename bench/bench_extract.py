@@ -20,8 +20,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.extract import RowWriter, TransformersBackend, extract_transformers, plan_batches, row_file  # noqa: E402
-from common.verifier import default_aux_layers  # noqa: E402
+from common.extract import RowWriter, TransformersBackend, extract_transformers, plan_batches, row_file
+from common.verifier import default_aux_layers
 
 SHAPES = {  # from the models' published config.json files
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

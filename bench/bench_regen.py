@@ -15,9 +15,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.data import load_records, normalize  # noqa: E402
-from common.regenerate import TransformersGenerator, cut_loop, encode, script  # noqa: E402
-from common.verifier import ensure_default_verifier  # noqa: E402
+from common.data import load_records, normalize
+from common.regenerate import TransformersGenerator, cut_loop, encode, script
+from common.verifier import ensure_default_verifier
 
 
 def main():

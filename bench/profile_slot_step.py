@@ -13,7 +13,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.slot_decode import SlotDecoder  # noqa: E402
+from common.slot_decode import SlotDecoder
 
 
 def main():

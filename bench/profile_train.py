@@ -117,7 +117,7 @@ def main():
             print(table)
             open(os.path.join(args.out, f"profile_{variant}.txt"), "w").write(table)
             prof.export_chrome_trace(os.path.join(args.out, f"trace_{variant}.json"))
-        del model, opt, fwd
+        model = opt = fwd = None  # frees them (step() holds them too)
         on_gpu and torch.cuda.empty_cache()
     if args.out:
         json.dump(results, open(os.path.join(args.out, "profile.json"), "w"), indent=2)

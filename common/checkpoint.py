@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import torch
 
-from common.cli import UserError
+from common.errors import UserError
 from common.draft import save_servable, trainable_state
 from common.log import fmt_bytes, log
 from common.manifest import atomic_write_json
@@ -101,7 +101,7 @@ def load_resume_state(out_dir: str) -> tuple[str, dict] | None:
             missing = {"model", "optimizer", "step"} - set(state)
             if missing:
                 raise ValueError(f"no {', '.join(sorted(missing))}")
-        except Exception as e:  # a torn or foreign file: any error torch.load raises means it cannot be resumed
+        except Exception as e:  # noqa: BLE001 - a torn or foreign file: any error torch.load raises means it cannot be resumed
             damaged.append(f"{os.path.basename(folder)} ({type(e).__name__}: {str(e).split('. ')[0][:120]})")
             continue
         if damaged:

@@ -15,23 +15,12 @@ import time
 
 import yaml
 
+from common.errors import Stopped, UserError, interrupt_on_stop_signals
 from common.log import fmt_bytes, fmt_duration, log, setup_logging
 
 SECTIONS = {"01_prepare_dataset": "prepare", "02_build_vocab_mapping": "vocab",
             "03_extract_hidden_states": "extract", "04_train": "train", "05_evaluate": "evaluate",
             "export_speculators_data": "export"}
-
-
-class UserError(Exception):
-    """Bad input from the user: reported as one line, exit code 2, no traceback."""
-
-
-class Stopped(Exception):
-    """A run stopped by a signal after saving what it had: one line saying how to resume, exit 128 + signal."""
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.signum = signum
 
 
 def number(kind=float, low: float | None = None, high: float | None = None, low_open: bool = False,
@@ -115,7 +104,7 @@ SHARED_KEYS = {"verifier_path", "trust_remote_code", "max_seq_len", "seed", "dat
 def config_tokens(parser: argparse.ArgumentParser, values: dict) -> list[str]:
     """Config values as the command-line tokens that would set them, so argparse checks their types and
     choices exactly as it checks typed flags."""
-    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    actions = {a.dest: a for a in parser._actions if a.option_strings}  # noqa: SLF001 - argparse lists its flags nowhere public
     tokens = []
     for key, value in values.items():
         action, flag = actions[key], actions[key].option_strings[0]
@@ -139,7 +128,7 @@ def config_tokens(parser: argparse.ArgumentParser, values: dict) -> list[str]:
 
 def read_config(parser: argparse.ArgumentParser, stage: str, path: str) -> list[str]:
     """The config's values for this stage (its top level, then its section) as command-line tokens."""
-    known = {a.dest for a in parser._actions}
+    known = {a.dest for a in parser._actions}  # noqa: SLF001 - argparse lists its flags nowhere public
     try:
         with open(path) as f:
             cfg = yaml.safe_load(f) or {}
@@ -170,7 +159,7 @@ def read_config(parser: argparse.ArgumentParser, stage: str, path: str) -> list[
         values[k] = value
     tokens = config_tokens(parser, values)
     # the values alone, checked now so that a bad one is reported with the config's name
-    required = [a for a in parser._actions if a.required]  # may come from the command line
+    required = [a for a in parser._actions if a.required]  # noqa: SLF001 - (may come from the command line)
     parser.exit_on_error = False
     for a in required:
         a.required = False
@@ -208,9 +197,6 @@ def path_error(e: OSError) -> str:
     return f"{e.filename}: {e.strerror or type(e).__name__}; check the path, its permissions and free space"
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # besides Ctrl-C (SIGINT)
-
-
 def run_stage(stage: str, parser: argparse.ArgumentParser, run, argv=None) -> None:
     """Parse, set up logging, run run(args) -> summary line, map user errors to exit 2 with one line."""
     args = parse_args(parser, stage, argv)
@@ -223,11 +209,7 @@ def run_stage(stage: str, parser: argparse.ArgumentParser, run, argv=None) -> No
     except OSError as e:  # the log's folder cannot be made: the data or output path is a file, or read-only
         print(f"error: {path_error(e)}", file=sys.stderr)
         sys.exit(2)
-    def on_sigterm(signum, frame):  # a scheduler, `kill` or a dropped ssh session: stop as Ctrl-C does, with a line in the log
-        raise KeyboardInterrupt(signum)
-    for sig in STOP_SIGNALS:
-        if signal.getsignal(sig) is not signal.SIG_IGN:  # under nohup SIGHUP is ignored, and the run goes on
-            signal.signal(sig, on_sigterm)
+    interrupt_on_stop_signals()
     start = time.time()
     log.info(f"=== {stage} start ===")
     for k, v in effective_config(args).items():

@@ -7,7 +7,7 @@ from collections import Counter
 
 import numpy as np
 
-from common.cli import UserError
+from common.errors import UserError
 from common.log import log
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",

@@ -4,7 +4,7 @@ import os
 import numpy as np
 import torch
 
-from common.cli import UserError
+from common.errors import UserError
 
 
 def accuracy_counts(pred_ids, target_ids, loss_mask, prev_correct):

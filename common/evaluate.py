@@ -12,7 +12,7 @@ import time
 import numpy as np
 import torch
 
-from common.cli import UserError
+from common.errors import UserError
 from common.data import HELD_OUT_EVERY, is_held_out, load_prepared, load_records, normalize
 from common.log import log
 from common.manifest import MANIFEST

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from hs_connectors.fp8_utils import SCALES_KEY as SCALES, quantize_tensor_to_fp8
 from safetensors.torch import save_file
 
-from common.cli import UserError
+from common.errors import UserError, is_oom
 from common.log import log
 from common.verifier import load_verifier_weights
 
@@ -212,13 +212,6 @@ class TransformersBackend:
         return out
 
 
-def is_oom(e: BaseException) -> bool:
-    """Out of memory on the GPU (CUDA's error) or on the host (the CPU allocator's, or Python's)."""
-    text = str(e).lower()
-    return (isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text
-            or "can't allocate memory" in text)
-
-
 def extract_transformers(backend: TransformersBackend, batches, rows: dict, todo: set, out: str, writer: RowWriter,
                          pad_id: int, on_done) -> None:
     """Run every batch and write its rows that are in `todo`; on out-of-memory split it in two and retry.
@@ -230,7 +223,7 @@ def extract_transformers(backend: TransformersBackend, batches, rows: dict, todo
         batch = queue.pop(0)
         try:
             states = backend.states([rows[i]["input_ids"] for i in batch], pad_id)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             if not is_oom(e):
                 raise
             if len(batch) == 1:

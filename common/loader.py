@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from hs_connectors.fp8_utils import dequantize_fp8_tensor
 
-from common.cli import UserError
+from common.errors import UserError
 from common.data import load_prepared
 from common.extract import SCALES, row_file
 from common.manifest import extracted_from, find_stage_dirs, read_manifest, sha256_json

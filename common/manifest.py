@@ -15,7 +15,7 @@ import socket
 import sys
 import time
 
-from common.cli import UserError
+from common.errors import UserError
 from common.log import log
 
 MANIFEST = "manifest.json"

@@ -14,7 +14,7 @@ from collections import Counter
 
 import torch
 
-from common.cli import UserError
+from common.errors import UserError
 from common.log import Progress, log
 from common.manifest import atomic_write_json, atomic_write_text
 from common.verifier import load_verifier_lm

@@ -14,7 +14,7 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
-from common.cli import UserError
+from common.errors import UserError
 from common.log import log
 
 

@@ -13,10 +13,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from common.checkpoint import load_resume_state, rng_state, save_checkpoint, set_rng_state
-from common.cli import STOP_SIGNALS, Stopped, UserError
+from common.errors import Stopped, UserError, catch_stop_signals, is_oom
 from common.compiler import Compiler
 from common.draft import build_draft
-from common.extract import is_oom
 from common.loader import PackedBatches, collect_rows, epoch_batches, rows_fingerprint, split_pack, split_rows
 from common.log import LAUNCH, fmt_duration, log, memory_summary
 from common.manifest import atomic_write_text
@@ -63,7 +62,7 @@ class Optimizers:
             from speculators.train.optimizers import split_named_params_for_muon
             muon, adamw = split_named_params_for_muon(model)
             if not on_gpu and args.dtype == "float32":
-                torch.optim._muon._zeropower_via_newtonschulz = orthogonalize_float32
+                torch.optim._muon._zeropower_via_newtonschulz = orthogonalize_float32  # noqa: SLF001
             self.opts.append(torch.optim.Muon([p for _, p in muon], lr=args.muon_lr or args.lr, momentum=0.95,
                                               weight_decay=0.1, adjust_lr_fn="match_rms_adamw"))
             rest = [p for _, p in adamw]
@@ -253,7 +252,7 @@ def backward_fitting(model, batch: dict, pieces: int, multiple: int, args, loss_
                 (loss * weight / args.grad_accum).backward()
                 add_metrics(metrics, part_metrics)
             return metrics, pieces
-        except Exception as e:  # noqa: BLE001 - only out-of-memory is retried
+        except Exception as e:
             if not is_oom(e):
                 raise
             error = str(e).strip().splitlines()[0][:160]
@@ -294,16 +293,6 @@ def validate(model, packed, val_rows: list[int], lengths, args, loss_config, dev
         torch.distributed.all_gather_object(shares, {k: float(v) for k, v in sums.items()})
         sums = {k: sum(share.get(k, 0.0) for share in shares) for share in shares for k in share}
     return summarize(sums, args.ttt_steps)
-
-
-def catch_stop_signals() -> list:
-    """SIGTERM (a scheduler, kill), SIGHUP (a dropped ssh session) and Ctrl-C are noted here; the loop stops at
-    the next step, with a checkpoint."""
-    caught: list = []
-    for sig in (*STOP_SIGNALS, signal.SIGINT):
-        if signal.getsignal(sig) is not signal.SIG_IGN:  # under nohup SIGHUP is ignored, and the run goes on
-            signal.signal(sig, lambda signum, frame: caught.append(signum))
-    return caught
 
 
 def train(args, verifier: str, text_config, verifier_hash: str) -> str:

@@ -8,7 +8,7 @@ import re
 import struct
 from collections import Counter
 
-from common.cli import UserError
+from common.errors import UserError
 from common.log import log
 from common.manifest import atomic_dir, sha256_json, sha256_text
 

@@ -12,7 +12,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector, cleanup_hidden_states, extract_from_kv_cache, load_hidden_states)
 
-from common.cli import UserError
+from common.errors import UserError
 from common.extract import plan_batches, row_file
 
 

@@ -35,6 +35,8 @@ def test_files_match_an_unbatched_forward(verifier, prepared_dir, hs_dir):
         assert not torch.allclose(final.float(), hs[-1][0].float(), atol=0.5)
     counts = manifest["counts"]
     assert counts["bytes_per_token"] >= 4 * 576 * 2 and counts["rows"] == len(ds)
+    # the manifest records settings, never a live object's repr
+    assert not any(k.startswith("_") or " object at 0x" in str(v) for k, v in manifest["flags"].items())
 
 
 @pytest.mark.parametrize("share", [0.0, 0.2, 0.9])  # after the first row file, early, near the end
@@ -154,7 +156,7 @@ def test_default_aux_layers_are_distinct_for_small_verifiers():
 def test_host_out_of_memory_is_split_like_gpu_out_of_memory():
     """The CPU allocator's failure (what a host without memory for a batch raises) is taken for out of
     memory, so 03 splits the batch as it does for CUDA's; other errors are not."""
-    from common.extract import is_oom
+    from common.errors import is_oom
     try:
         torch.empty(2 ** 50)  # 4 PB: refused by the real allocator
     except RuntimeError as e:
@@ -195,7 +197,7 @@ def test_a_vllm_that_returns_too_few_slots_is_one_line():
 
     import torch
 
-    from common.cli import UserError
+    from common.errors import UserError
     from common.vllm_extract import extract_vllm
     rows = {0: {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}}
     old_vllm = SimpleNamespace(slots=4, run=lambda lists: [

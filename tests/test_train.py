@@ -363,6 +363,6 @@ def test_muon_float32_orthogonalization_is_torchs_within_bfloat16():
     for shape in [(96, 200), (200, 96)]:
         grad = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
         ours = orthogonalize_float32(grad, coefficients, 5, 1e-7)
-        torchs = muon._zeropower_via_newtonschulz(grad, coefficients, 5, 1e-7).float()
+        torchs = muon._zeropower_via_newtonschulz(grad, coefficients, 5, 1e-7).float()  # noqa: SLF001
         assert ours.dtype == torch.float32 and ours.shape == grad.shape
         assert (ours - torchs).abs().max() < 0.03 * torchs.abs().max()

@@ -1,0 +1,105 @@
+"""The fast tier: pure pieces of the pipeline in milliseconds, no model, no files (`pytest tests/unit`)."""
+import argparse
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from common.cli import device, number, parse_rows
+from common.errors import UserError
+from common.extract import plan_batches
+from common.loader import epoch_batches, split_rows
+from common.regenerate import LOOP_STOP_TOKENS, cut_loop, stuck_in_loop
+from common.train import lr_scale
+from common.vocab import build_mapping
+
+
+def schedule(**kw):
+    return SimpleNamespace(**{"warmup_steps": None, "warmup_ratio": 0.1, "scheduler": "cosine", "min_lr_ratio": 0.0,
+                              **kw})
+
+
+def test_lr_scale_warms_up_linearly_then_decays_to_the_floor():
+    s = schedule()
+    assert [lr_scale(i, 100, s) for i in range(3)] == [0.1, 0.2, 0.3]  # 10 warmup steps
+    assert lr_scale(10, 100, s) == pytest.approx(1.0)
+    assert lr_scale(55, 100, s) == pytest.approx(0.5)  # cosine's midpoint
+    assert lr_scale(100, 100, s) == pytest.approx(0.0)
+    assert lr_scale(100, 100, schedule(min_lr_ratio=0.1)) == pytest.approx(0.1)
+    assert lr_scale(55, 100, schedule(scheduler="linear")) == pytest.approx(0.5)
+    assert lr_scale(99, 100, schedule(scheduler="none")) == 1.0
+    assert lr_scale(0, 100, schedule(warmup_steps=4)) == 0.25  # steps win over the ratio
+
+
+def test_plan_batches_bounds_the_padded_size_and_keeps_every_row_once():
+    lengths = {0: 5, 1: 9, 2: 3, 3: 9, 4: 1}
+    batches = plan_batches(lengths, 18)
+    assert sorted(i for b in batches for i in b) == list(lengths)
+    assert all(len(b) * max(lengths[i] for i in b) <= 18 for b in batches)
+    assert batches[0] == [1, 3]  # longest first, ties by id
+    with pytest.raises(UserError, match="--max-tokens-per-batch 8 is smaller than the longest row"):
+        plan_batches(lengths, 8)
+
+
+def test_split_rows_is_a_deterministic_partition():
+    train, val = split_rows(100, 0.05, seed=3)
+    assert len(val) == 5 and sorted(train + val) == list(range(100))
+    assert (train, val) == split_rows(100, 0.05, seed=3) and val != split_rows(100, 0.05, seed=4)[1]
+    assert split_rows(7, 0.0, 0) == (list(range(7)), [])
+    with pytest.raises(UserError, match="leaves no training rows"):
+        split_rows(1, 0.5, 0)
+
+
+def test_epoch_batches_pack_every_row_once_within_the_length():
+    lengths = [100, 700, 300, 50, 1000, 20, 512, 64] * 4
+    batches = epoch_batches(lengths, 1024, seed=0, epoch=0, rank=0, world=1)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 1024 for b in batches)
+    assert batches == epoch_batches(lengths, 1024, seed=0, epoch=0, rank=0, world=1)
+    assert batches != epoch_batches(lengths, 1024, seed=0, epoch=1, rank=0, world=1)
+    halves = [epoch_batches(lengths, 1024, seed=0, epoch=0, rank=r, world=2) for r in (0, 1)]
+    assert not {i for b in halves[0] for i in b} & {i for b in halves[1] for i in b}  # ranks share no row
+
+
+def test_build_mapping_keeps_the_most_frequent_tokens_lowest_id_first():
+    freq = torch.tensor([0, 5, 2, 5, 0, 9])
+    d2t, t2d, stats = build_mapping(freq, 3)
+    chosen = [i + int(d) for i, d in enumerate(d2t)]
+    assert chosen == [1, 3, 5] and t2d.tolist() == [False, True, False, True, False, True]
+    assert stats["coverage"] == pytest.approx(19 / 21) and stats["filled_unseen"] == 0
+    d2t, _, stats = build_mapping(freq, 5)  # more room than seen tokens: unseen fillers by lowest id
+    assert [i + int(d) for i, d in enumerate(d2t)] == [0, 1, 2, 3, 5] and stats["filled_unseen"] == 1
+
+
+def test_cut_loop_keeps_two_periods_of_a_repeating_tail():
+    text = list(range(10))
+    looped = text + [7, 8, 9] * 20
+    cut = cut_loop(looped)
+    assert cut is not None and cut[-6:] == [7, 8, 9, 7, 8, 9] and len(cut) < len(looped)
+    assert cut_loop(text + [7, 8, 9] * 3) is None  # too short to be a loop
+    assert cut_loop(list(range(200))) is None
+    assert not stuck_in_loop(looped)  # 60 repeating tokens: below the stop length
+    long_loop = text + [4, 2] * LOOP_STOP_TOKENS
+    assert stuck_in_loop(long_loop[:len(long_loop) // 16 * 16])
+
+
+def test_number_checks_ranges_and_nan_in_one_line():
+    rate = number(float, 0, 1, low_open=True)
+    assert rate("0.5") == 0.5
+    for bad in ["0", "1.5", "nan"]:
+        with pytest.raises(argparse.ArgumentTypeError, match=r"must be in \(0, 1\]"):
+            rate(bad)
+    count = number(int, 1)
+    assert count("3") == 3
+    with pytest.raises(argparse.ArgumentTypeError, match="must be at least 1"):
+        count("0")
+    with pytest.raises(ValueError):
+        count("2.5")
+    assert number(float, 0, low_open=True).rule == "a positive number"
+    assert device("cuda:1") == "cuda:1" and device("auto") == "auto"
+    with pytest.raises(argparse.ArgumentTypeError):
+        device("gpu")
+    assert parse_rows("0-10") == (0, 10) and parse_rows(None) is None
+    for bad in ["10-0", "a-b", "-1-3"]:
+        with pytest.raises(UserError, match="--rows"):
+            parse_rows(bad)
