@@ -39,9 +39,11 @@ def build_parser():
     p.add_argument("--weight-decay", type=number(float, 0), default=0.01, help="AdamW weight decay")
     p.add_argument("--grad-clip", type=number(float, 0, low_open=True), default=1.0, help="gradient norm clip")
     p.add_argument("--grad-accum", type=number(int, 1), default=1, help="packed sequences per optimizer step (per GPU)")
-    p.add_argument("--max-seq-len", type=number(int, 2), default=2048,
-                   help="tokens per packed training sequence (the batch token budget per GPU); a pack that runs "
-                        "out of memory is trained in parts cut at conversation boundaries, and the log says so")
+    p.add_argument("--pack-tokens", "--max-seq-len", dest="pack_tokens", type=number(int, 2), default=2048,
+                   help="tokens per packed training sequence: several rows per step (the batch token budget per GPU); "
+                        "a pack that runs out of memory is trained in parts cut at conversation boundaries, and the "
+                        "log says so. --max-seq-len is its old name, still accepted (also as a train: key); the "
+                        "top-level max_seq_len of a config is 01's row length and does not set it")
     p.add_argument("--draft-layers", type=number(int, 1), default=1,
                    help="decoder layers in the draft (the first reads the token embedding and fc output, as vLLM's "
                         "eagle3 drafts do; more layers cost proportionally more per drafted token at serving)")

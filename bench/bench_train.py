@@ -88,7 +88,7 @@ def run_ours(work: str, args, variant: str) -> dict:
     subprocess.run(["rm", "-rf", out])
     cmd = [sys.executable, os.path.join(ROOT, "04_train.py"), "--verifier-path", os.path.join(work, "verifier"),
            "--data-dir", os.path.join(work, "data"), "--output-dir", out, "--max-steps", str(args.steps),
-           "--epochs", "1000", "--max-seq-len", str(args.seq_len), "--ttt-steps", "3", "--val-ratio", "0",
+           "--epochs", "1000", "--pack-tokens", str(args.seq_len), "--ttt-steps", "3", "--val-ratio", "0",
            "--log-every", "10", "--num-workers", str(args.num_workers), "--attn-impl", attn, "--loss-implementation", "eager",
            "--lr", "1e-4"] + flags
     start = time.time()

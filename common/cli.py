@@ -150,8 +150,12 @@ def read_config(parser: argparse.ArgumentParser, stage: str, path: str) -> list[
                             + f" stage flags go in their section: {', '.join(SECTIONS.values())})")
         elif k in known:
             values[k] = value
+    # a section's key may also be a flag's other name (04's max_seq_len for --pack-tokens); a top-level key is
+    # only ever a flag's own name, so it cannot set a renamed flag of one stage for all
+    aliases = {o[2:].replace("-", "_"): a.dest for a in parser._actions  # noqa: SLF001 - as above
+               for o in a.option_strings if o.startswith("--")}
     for key, value in (cfg.get(SECTIONS[stage]) or {}).items():
-        k = str(key).replace("-", "_")
+        k = aliases.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
         if k not in known:
             near = difflib.get_close_matches(k, known, n=1)
             raise UserError(f"section '{SECTIONS[stage]}' has unknown key '{key}'"

@@ -161,7 +161,7 @@ def resume_settings(args, aux, verifier_hash: str, data_hash: str, vocab_hash: s
     may change on resume, and takes effect."""
     return {"verifier": verifier_hash, "rows (--data-dir)": data_hash, "vocab mapping (d2t.npy)": vocab_hash,
             "aux layers": aux, "--ttt-steps": args.ttt_steps, "--ttt-loss-decay": args.ttt_loss_decay,
-            "--loss": args.loss, "--max-seq-len": args.max_seq_len, "--grad-accum": args.grad_accum,
+            "--loss": args.loss, "--pack-tokens": args.pack_tokens, "--grad-accum": args.grad_accum,
             "--val-ratio": args.val_ratio, "--seed": args.seed, "--noise-std": args.noise_std,
             "--norm-before-fc": args.norm_before_fc, "--norm-output": args.norm_output, "--optimizer": args.optimizer,
             "--draft-layers": args.draft_layers, "--draft-intermediate-size": args.draft_intermediate_size or verifier_mlp,
@@ -169,13 +169,17 @@ def resume_settings(args, aux, verifier_hash: str, data_hash: str, vocab_hash: s
             "--min-lr-ratio": args.min_lr_ratio, "--grad-clip": args.grad_clip}
 
 
+RENAMED = {"--max-seq-len": "--pack-tokens"}  # a setting's name in checkpoints written before its flag was renamed
+
+
 def check_resume(folder: str, ckpt: dict, settings: dict, args) -> None:
     """Refuse a resume that would compute another run than the checkpoint's, naming the setting; log the
     flags that changed and take effect."""
     if "settings" not in ckpt:
         log.warning(f"{folder} was written before 04 saved its settings: they cannot be compared with this run's")
+    saved_settings = {RENAMED.get(k, k): v for k, v in ckpt.get("settings", {}).items()}
     for name, value in settings.items():
-        saved = ckpt.get("settings", {}).get(name, value)
+        saved = saved_settings.get(name, value)
         if saved != value:
             what = f"another {name}" if name[0] != "-" else f"{name} {saved} (this run: {value})"
             raise UserError(f"{folder} was trained with {what}: a resumed run must compute the same run; "
@@ -206,21 +210,21 @@ def draft_attention(args, on_gpu: bool) -> str:
     2K tokens), flex attention's block mask from FLEX_FROM_TOKENS on, compiled: at 32K-token packs of an 8B-shaped
     draft 1.83x the tokens/s of eager sdpa in 42% of its memory (docs/benchmarks.md). Flex attention runs only
     compiled: eager, it falls back to a path that materializes every score."""
-    long_packs = args.max_seq_len >= FLEX_FROM_TOKENS
+    long_packs = args.pack_tokens >= FLEX_FROM_TOKENS
     if args.attn_impl == FLEX and not on_gpu:
         raise UserError(f"--attn-impl {FLEX} trains only on a GPU (torch has no flex attention backward "
                         "on the CPU); use --attn-impl auto")
-    if args.attn_impl == FLEX and args.max_seq_len % FLEX_BLOCK:
-        raise UserError(f"--attn-impl {FLEX} needs --max-seq-len in whole blocks of {FLEX_BLOCK} tokens "
-                        f"(not {args.max_seq_len}): use {args.max_seq_len // FLEX_BLOCK * FLEX_BLOCK or FLEX_BLOCK}")
+    if args.attn_impl == FLEX and args.pack_tokens % FLEX_BLOCK:
+        raise UserError(f"--attn-impl {FLEX} needs --pack-tokens in whole blocks of {FLEX_BLOCK} tokens "
+                        f"(not {args.pack_tokens}): use {args.pack_tokens // FLEX_BLOCK * FLEX_BLOCK or FLEX_BLOCK}")
     if args.attn_impl != "auto":
         if args.attn_impl == FLEX and not args.compile:
             log.warning("flex attention without --compile runs its unfused path, which holds every score: "
                         "slow, and out of memory on long packs")
         return args.attn_impl
-    flex = long_packs and args.compile and on_gpu and args.max_seq_len % FLEX_BLOCK == 0
+    flex = long_packs and args.compile and on_gpu and args.pack_tokens % FLEX_BLOCK == 0
     if long_packs and not flex:
-        log.info(f"{args.max_seq_len}-token packs with sdpa's dense TTT mask: with --compile on a GPU and --max-seq-len "
+        log.info(f"{args.pack_tokens}-token packs with sdpa's dense TTT mask: with --compile on a GPU and --pack-tokens "
                  f"in whole {FLEX_BLOCK}-token blocks, flex attention's block mask trains them instead (less memory, faster)")
     return FLEX if flex else "sdpa"
 
@@ -263,7 +267,7 @@ def backward_fitting(model, batch: dict, pieces: int, multiple: int, args, loss_
             torch.cuda.empty_cache()
         if len(split_pack(batch, pieces * 2)) <= len(split_pack(batch, pieces)):
             raise UserError(f"out of memory with each conversation of a {batch['tokens']}-token pack on its own: "
-                            f"lower --max-seq-len or free memory ({error})")
+                            f"lower --pack-tokens or free memory ({error})")
         pieces *= 2
         log.warning(f"out of memory on a {batch['tokens']}-token pack ({error}); training each pack in {pieces} parts "
                     "from here on (cut at conversation boundaries, same tokens per step)"
@@ -284,7 +288,7 @@ def validate(model, packed, val_rows: list[int], lengths, args, loss_config, dev
     forward_fn = fn or getattr(model, "module", model)
     # every validation row once: packed as one process would, the packs dealt out to the ranks (the training
     # sampler balances ranks by dropping rows, and with fewer rows than ranks dropped them all)
-    batches = epoch_batches([lengths[i] for i in val_rows], args.max_seq_len, 0, 0, 0, 1)[rank::world]
+    batches = epoch_batches([lengths[i] for i in val_rows], args.pack_tokens, 0, 0, 0, 1)[rank::world]
     for batch in packed([[val_rows[i] for i in b] for b in batches]):
         add_metrics(sums, forward(forward_fn, batch, args, loss_config, device, noise=False)[1])
     model.train()
@@ -331,10 +335,10 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
                  f"device {device} x {world}, {args.dtype}")
         log.info(f"draft built in {time.time() - t_build:.1f}s; {time.time() - LAUNCH:.1f}s since launch")
     dtype = getattr(torch, args.dtype)
-    packed = PackedBatches(files, lengths, len(aux), hidden, args.max_seq_len, device, dtype, args.num_workers)
+    packed = PackedBatches(files, lengths, len(aux), hidden, args.pack_tokens, device, dtype, args.num_workers)
     train_lengths = [lengths[i] for i in train_rows]
     total_steps = args.max_steps or sum(
-        math.ceil(len(epoch_batches(train_lengths, args.max_seq_len, args.seed, e, rank, world)) / args.grad_accum)
+        math.ceil(len(epoch_batches(train_lengths, args.pack_tokens, args.seed, e, rank, world)) / args.grad_accum)
         for e in range(args.epochs))
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
 
@@ -400,7 +404,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         log.info("torch.compile starts on the first batch" + (
             "; the first step waits for it" if compiler.wait else ", beside eager steps until it is ready"))
     while pos.epoch < args.epochs and not reached_max_steps:
-        batches = epoch_batches(train_lengths, args.max_seq_len, args.seed, pos.epoch, rank, world)
+        batches = epoch_batches(train_lengths, args.pack_tokens, args.seed, pos.epoch, rank, world)
         micro = batches[pos.step_in_epoch * args.grad_accum:]  # a resumed epoch skips the batches it trained
         for k, batch in enumerate(packed([[train_rows[i] for i in b] for b in micro])):
             optimizer.set_lr_scale(lr_scale(pos.step, total_steps, args))

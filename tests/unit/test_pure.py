@@ -103,3 +103,35 @@ def test_number_checks_ranges_and_nan_in_one_line():
     for bad in ["10-0", "a-b", "-1-3"]:
         with pytest.raises(UserError, match="--rows"):
             parse_rows(bad)
+
+
+def script_parser(name: str):
+    import importlib.util
+    import os
+    spec = importlib.util.spec_from_file_location(name[:-3], os.path.join(os.path.dirname(__file__), "..", "..", name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build_parser()
+
+
+@pytest.mark.parametrize("yaml_text, argv, pack", [
+    ("max_seq_len: 300\n", [], 2048),  # the top-level key is 01's row length, not 04's pack
+    ("max_seq_len: 300\ntrain:\n  max_seq_len: 512\n", [], 512),  # the old name, in 04's section
+    ("train:\n  pack_tokens: 640\n", [], 640),
+    ("train:\n  pack_tokens: 640\n", ["--max-seq-len", "128"], 128),  # the old flag, on the command line
+])
+def test_04s_pack_length_has_its_own_name_and_keeps_the_old_one(tmp_path, yaml_text, argv, pack):
+    from common.cli import parse_args
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml_text)
+    args = parse_args(script_parser("04_train.py"), "04_train",
+                      ["--config", str(config), "--data-dir", "d", "--output-dir", "o", *argv])
+    assert args.pack_tokens == pack and not hasattr(args, "max_seq_len")
+
+
+def test_a_checkpoint_saved_under_the_old_flag_name_is_compared_under_the_new():
+    from common.train import check_resume
+    old = {"settings": {"--max-seq-len": 512}, "args": {}}
+    with pytest.raises(UserError, match=r"--pack-tokens 512 \(this run: 1024\)"):
+        check_resume("step_2", old, {"--pack-tokens": 1024}, SimpleNamespace())
+    check_resume("step_2", old, {"--pack-tokens": 512}, SimpleNamespace())
