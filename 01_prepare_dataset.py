@@ -1,6 +1,5 @@
 #!/usr/bin/env python3
 """Stage 01: conversations -> tokenized rows (input_ids, loss_mask, seq_len) in <data-dir>/prepared/rows_A-B."""
-import os
 import random
 import time
 from collections import Counter
@@ -8,6 +7,7 @@ from collections import Counter
 from common.errors import UserError
 from common.cli import add_verifier_flags, check_cuda, device, number, parse_rows, run_stage, stage_parser
 from common.data import is_held_out, load_records, normalize, prepare_rows, rows_hash
+from common.layout import DataDir, shard
 from common.log import Progress, log
 from common.manifest import atomic_dir, output_lock, write_manifest
 from common.verifier import load_text_config, load_tokenizer, resolve_verifier, tokenizer_fingerprint, verifier_fingerprint
@@ -83,7 +83,7 @@ def run(args):
         raise UserError(f"{asked}: the dataset has only {len(indexed)} conversations")
     selected = indexed[a:b]
     log.info(f"{len(records)} conversations in {args.dataset}; preparing rows {a}-{b}")
-    with output_lock(os.path.join(args.data_dir, "prepared"), f".lock.rows_{a}-{b}"):  # one run writes a shard
+    with output_lock(DataDir(args.data_dir).prepared(), f".lock.{shard(a, b)}"):  # one run writes a shard
         return prepare_shard(args, selected, a, b, tokenizer, verifier, start, notes)
 
 
@@ -97,7 +97,7 @@ def prepare_shard(args, selected, a, b, tokenizer, verifier, start, notes):
         selected = [(i, r if isinstance(r, str) else normalize(r)) for i, r in selected]
         selected, regen_counts = regenerate(selected, tokenizer, verifier,
                                             verifier_fingerprint(load_text_config(verifier, args.trust_remote_code)),
-                                            os.path.join(args.data_dir, "regenerated", f"rows_{a}-{b}"), args)
+                                            DataDir(args.data_dir).regenerated(shard(a, b)), args)
     progress = Progress(len(selected), "rows")
     changed = Counter()
     rows, dropped = prepare_rows(tokenizer, selected, args.max_seq_len, on_row=progress.update, reasoning=args.reasoning,
@@ -115,7 +115,7 @@ def prepare_shard(args, selected, a, b, tokenizer, verifier, start, notes):
               "assistant_tokens": assistant, "dropped": dict(dropped), "changed": dict(changed),
               "max_row_tokens": max(r["seq_len"] for r in rows), "rows_hash": rows_hash(rows),
               **({"regeneration": regen_counts} if regen_counts is not None else {}), **notes}
-    out = os.path.join(args.data_dir, "prepared", f"rows_{a}-{b}")
+    out = DataDir(args.data_dir).prepared(shard(a, b))
     with atomic_dir(out) as tmp:
         ds = datasets.Dataset.from_list(rows)
         ds.set_format("torch")  # as speculators' prepare-data saves it, so `speculators train` reads it too

@@ -9,6 +9,7 @@ import torch
 from common.errors import UserError
 from common.cli import add_verifier_flags, number, run_stage, stage_parser
 from common.data import load_prepared
+from common.layout import PREPARED, DataDir
 from common.log import log
 from common.manifest import (atomic_dir, find_stage_dirs, output_lock, prepared_fingerprint, read_manifest,
                              write_manifest)
@@ -29,7 +30,7 @@ def build_parser():
 
 
 def run(args):
-    out = args.output_dir or os.path.join(args.data_dir, "vocab_mapping")
+    out = args.output_dir or DataDir(args.data_dir).vocab_mapping
     with output_lock(os.path.dirname(os.path.abspath(out)), f".lock.{os.path.basename(out)}"):  # one run writes it
         return build(args, out)
 
@@ -39,7 +40,7 @@ def build(args, out: str) -> str:
     verifier = resolve_verifier(args.verifier_path, args)
     tokenizer = load_tokenizer(verifier, args.trust_remote_code)
     target_vocab = load_text_config(verifier, args.trust_remote_code).vocab_size  # embedding rows, may exceed len(tokenizer)
-    folders = find_stage_dirs(args.prepared_dirs or args.data_dir, "prepare", "prepared")
+    folders = find_stage_dirs(args.prepared_dirs or args.data_dir, "prepare", PREPARED)
     tok_hash = tokenizer_fingerprint(tokenizer)
     for folder in folders:
         if read_manifest(folder, "prepare")["inputs"]["tokenizer_hash"] != tok_hash:

@@ -9,8 +9,9 @@ import time
 import torch
 
 from common.errors import UserError
-from common.cli import add_verifier_flags, check_cuda, device, number, run_stage, stage_parser
+from common.cli import add_verifier_flags, check_cuda, device, number, parse_rows, run_stage, stage_parser
 from common.data import load_prepared
+from common.layout import PREPARED, DataDir, shard, states_of
 from common.extract import RowWriter, TransformersBackend, extract_transformers, file_is_valid, plan_batches, row_file
 from common.log import Progress, fmt_bytes, log
 from common.manifest import (atomic_write_json, find_stage_dirs, output_lock, prepared_fingerprint, read_manifest,
@@ -74,7 +75,7 @@ def scan_existing(out, rows, n_slots, hidden_size, fp8) -> tuple[list[int], int]
 
 
 def extract_folder(args, backend, pad_id, prepared, verifier, text_config, aux, tok_hash):
-    out = os.path.join(args.data_dir, "hidden_states", os.path.basename(prepared.rstrip("/")))
+    out = states_of(prepared, DataDir(args.data_dir))
     with output_lock(out):  # one run writes a folder
         return extract_locked(args, backend, pad_id, prepared, out, verifier, text_config, aux, tok_hash)
 
@@ -173,8 +174,8 @@ def run(args):
     verifier = resolve_verifier(args.verifier_path, args)
     tokenizer = load_tokenizer(verifier, args.trust_remote_code)
     tok_hash = tokenizer_fingerprint(tokenizer)
-    folders = find_stage_dirs(os.path.join(args.data_dir, "prepared", f"rows_{args.rows}") if args.rows
-                              else args.data_dir, "prepare", "prepared")
+    folders = find_stage_dirs(DataDir(args.data_dir).prepared(shard(*parse_rows(args.rows))) if args.rows
+                              else args.data_dir, "prepare", PREPARED)
     for folder in folders:
         if read_manifest(folder, "prepare")["inputs"]["tokenizer_hash"] != tok_hash:
             raise UserError(f"{folder} was tokenized with another tokenizer than {verifier}'s; "

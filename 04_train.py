@@ -10,6 +10,7 @@ import os
 from common.errors import UserError
 from common.cli import add_verifier_flags, number, run_stage, stage_parser
 from common.manifest import output_lock
+from common.layout import DataDir, RunDir
 from common.verifier import load_text_config, resolve_verifier, verifier_fingerprint
 
 STAGE = "04_train"
@@ -88,23 +89,21 @@ def build_parser():
 
 
 def default_vocab_dir(data_dirs: list[str]) -> str:
-    """The vocab_mapping folder of the data root that holds the first data folder."""
-    path = os.path.abspath(data_dirs[0])
-    for _ in range(3):
-        if os.path.isdir(os.path.join(path, "vocab_mapping")):
-            return os.path.join(path, "vocab_mapping")
-        path = os.path.dirname(path)
+    """The vocab_mapping folder of the data dir that holds the first data folder."""
+    vocab = DataDir.holding(data_dirs[0]).vocab_mapping
+    if os.path.isdir(vocab):
+        return vocab
     raise UserError(f"no vocab_mapping folder near {data_dirs[0]}; pass --vocab-mapping-dir or run 02_build_vocab_mapping.py")
 
 
 def run(args):
     from common.checkpoint import checkpoint_entries
     from common.plot import plot_training
-    metrics = os.path.join(args.output_dir, "metrics.jsonl")
+    metrics = RunDir(args.output_dir).metrics
     if args.plot:
         if not os.path.exists(metrics):
             raise UserError(f"{metrics} does not exist: nothing to plot")
-        return f"wrote {plot_training(metrics, os.path.join(args.output_dir, 'training.png'))}"
+        return f"wrote {plot_training(metrics, RunDir(args.output_dir).plot)}"
     if args.muon_lr is not None and args.optimizer != "muon":
         raise UserError("--muon-lr sets the Muon group's lr: add --optimizer muon")
     if args.compile_wait and not args.compile:
@@ -129,7 +128,7 @@ def run(args):
         from common.train import train
         summary = train(args, verifier, text_config, verifier_fingerprint(text_config))
         if rank0:
-            summary += f"; plot {plot_training(metrics, os.path.join(args.output_dir, 'training.png'))}"
+            summary += f"; plot {plot_training(metrics, RunDir(args.output_dir).plot)}"
         return summary
 
 

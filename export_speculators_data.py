@@ -14,6 +14,7 @@ import numpy as np
 
 from common.cli import run_stage, stage_parser
 from common.data import load_prepared
+from common.layout import HIDDEN_STATES, DataDir
 from common.extract import row_file
 from common.loader import check_row_file
 from common.manifest import atomic_dir, extracted_from, find_stage_dirs, output_lock, read_manifest
@@ -36,9 +37,9 @@ def run(args):
 
 def export(args, out: str) -> str:
     import datasets
-    vocab = os.path.join(args.data_dir, "vocab_mapping")
+    vocab = DataDir(args.data_dir).vocab_mapping
     read_manifest(vocab, "vocab_mapping")
-    folders = find_stage_dirs(args.data_dir, "hidden_states", "hidden_states")
+    folders = find_stage_dirs(args.data_dir, "hidden_states", HIDDEN_STATES)
     shards, links = [], []
     for folder in folders:
         manifest = read_manifest(folder, "hidden_states")

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from common.errors import UserError
+from common.layout import RunDir
 from common.draft import save_servable, trainable_state
 from common.log import fmt_bytes, log
 from common.manifest import atomic_write_json
@@ -19,7 +20,7 @@ FULL_DISK_BYTES = 16 * 2**20  # what is left when a write failed because the dis
 
 def save_checkpoint(out_dir: str, name: str, model, optimizer, state: dict, is_best: bool) -> str:
     """Write checkpoints/<name> beside a temporary name and rename; point `latest` (and `best`) at it."""
-    ckpt_root = os.path.join(out_dir, "checkpoints")
+    ckpt_root = RunDir(out_dir).checkpoints
     final = os.path.join(ckpt_root, name)
     tmp = os.path.join(ckpt_root, f".tmp.{name}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -66,7 +67,7 @@ def set_rng_state(state: dict) -> None:
 
 def checkpoint_entries(out_dir: str) -> list[str]:
     """What a new run would write over: the checkpoint folders and links (a dangling `latest` too)."""
-    root = os.path.join(out_dir, "checkpoints")
+    root = RunDir(out_dir).checkpoints
     return sorted(n for n in os.listdir(root) if not n.startswith(".")) if os.path.isdir(root) else []
 
 
@@ -82,7 +83,7 @@ def load_resume_state(out_dir: str) -> tuple[str, dict] | None:
     """The newest checkpoint that loads, and its training state: `latest` if it is whole, else (with a warning)
     the newest other one, so a deleted or damaged `latest` never makes a run start over on its checkpoints.
     None where there is no checkpoint at all."""
-    root = os.path.join(out_dir, "checkpoints")
+    root = RunDir(out_dir).checkpoints
     latest = os.path.join(root, "latest")
     folders = [os.path.join(root, n) for n in checkpoint_entries(out_dir) if n not in LINKS]
     folders = sorted((f for f in folders if os.path.isdir(f)), key=saved_step, reverse=True)

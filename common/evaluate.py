@@ -14,6 +14,7 @@ import torch
 
 from common.errors import UserError
 from common.data import HELD_OUT_EVERY, is_held_out, load_prepared, load_records, normalize
+from common.layout import DataDir
 from common.log import log
 from common.manifest import MANIFEST
 
@@ -23,7 +24,7 @@ from common.manifest import MANIFEST
 def used_conversations(data_dir: str) -> set:
     """Source conversation ids that stage 01 turned into training rows under data_dir."""
     used = set()
-    prepared = os.path.join(data_dir, "prepared")
+    prepared = DataDir(data_dir).prepared()
     for folder in os.listdir(prepared) if os.path.isdir(prepared) else []:
         if os.path.exists(os.path.join(prepared, folder, MANIFEST)):
             used.update(load_prepared(os.path.join(prepared, folder))["conversation_id"])

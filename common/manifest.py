@@ -16,6 +16,7 @@ import sys
 import time
 
 from common.errors import UserError
+from common.layout import DataDir, prepared_of, shard_span
 from common.log import log
 
 MANIFEST = "manifest.json"
@@ -137,11 +138,9 @@ def check_disjoint(folders: list[str]) -> None:
     make rows_0-20): the same rows twice would be trained twice and could land in training and validation."""
     spans: dict = {}
     for d in folders:
-        name = os.path.basename(os.path.normpath(d))
-        try:
-            a, b = (int(x) for x in name[len("rows_"):].split("-"))
-        except ValueError:
+        if (span := shard_span(d)) is None:
             continue
+        a, b = span
         spans.setdefault(os.path.dirname(os.path.abspath(d)), []).append((a, b, d))
     for shards in spans.values():
         shards.sort()
@@ -157,8 +156,7 @@ def extracted_from(folder: str, manifest: dict) -> str:
     that was copied or moved, or is used from another working directory, still works; and checked to
     be the same rows, so a rerun of 01 makes the states stale instead of silently mismatched."""
     folder = os.path.abspath(folder)
-    prepared = os.path.join(os.path.dirname(os.path.dirname(folder)), "prepared", os.path.basename(folder))
-    data = os.path.dirname(os.path.dirname(folder))
+    prepared, data = prepared_of(folder), DataDir.holding(folder).root
     if not os.path.exists(os.path.join(prepared, MANIFEST)):
         raise UserError(f"{folder}: its prepared rows {prepared} are missing; keep prepared/ beside hidden_states/ "
                         "when copying a data dir, or rerun 01_prepare_dataset.py")

@@ -19,6 +19,7 @@ from common.draft import build_draft
 from common.loader import PackedBatches, collect_rows, epoch_batches, rows_fingerprint, split_pack, split_rows
 from common.log import LAUNCH, fmt_duration, log, memory_summary
 from common.manifest import atomic_write_text
+from common.layout import RunDir
 from common.verifier import compute_dtype
 
 
@@ -340,7 +341,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     total_steps = args.max_steps or sum(
         math.ceil(len(epoch_batches(train_lengths, args.pack_tokens, args.seed, e, rank, world)) / args.grad_accum)
         for e in range(args.epochs))
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    metrics_path = RunDir(args.output_dir).metrics
 
     # ------------------------------------------------ resume: weights, optimizer, position, data order, RNG
     pos = Position()

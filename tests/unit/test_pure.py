@@ -135,3 +135,15 @@ def test_a_checkpoint_saved_under_the_old_flag_name_is_compared_under_the_new():
     with pytest.raises(UserError, match=r"--pack-tokens 512 \(this run: 1024\)"):
         check_resume("step_2", old, {"--pack-tokens": 1024}, SimpleNamespace())
     check_resume("step_2", old, {"--pack-tokens": 512}, SimpleNamespace())
+
+
+def test_the_layout_finds_a_data_dir_from_any_of_its_folders():
+    from common.layout import DataDir, prepared_of, shard, shard_span, states_of
+    data = DataDir("/d")
+    for path in ["/d", "/d/prepared", "/d/hidden_states/", "/d/hidden_states/rows_0-64", "/d/vocab_mapping"]:
+        assert DataDir.holding(path).root == "/d", path
+    assert shard(0, 64) == "rows_0-64" and shard_span("/d/prepared/rows_0-64/") == (0, 64)
+    assert shard_span("/d/prepared/rows_x") is None and shard_span("/d/prepared") is None
+    assert states_of("/d/prepared/rows_0-64/", data) == "/d/hidden_states/rows_0-64"
+    assert prepared_of("/d/hidden_states/rows_0-64") == "/d/prepared/rows_0-64" == data.prepared("rows_0-64")
+    assert data.prepared() == "/d/prepared" and data.vocab_mapping == "/d/vocab_mapping"
