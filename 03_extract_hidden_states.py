@@ -12,7 +12,8 @@ from common.errors import UserError
 from common.cli import add_verifier_flags, check_cuda, device, number, parse_rows, run_stage, stage_parser
 from common.data import load_prepared
 from common.layout import PREPARED, DataDir, shard, states_of
-from common.extract import RowWriter, TransformersBackend, extract_transformers, file_is_valid, plan_batches, row_file
+from common.extract import RowWriter, TransformersBackend, extract_transformers, plan_batches
+from common.rows import row_file, row_files, row_index, row_problem
 from common.log import Progress, fmt_bytes, log
 from common.manifest import (atomic_write_json, find_stage_dirs, output_lock, prepared_fingerprint, read_manifest,
                              write_manifest)
@@ -58,17 +59,18 @@ def scan_existing(out, rows, n_slots, hidden_size, fp8) -> tuple[list[int], int]
     """Indices still to do, and how many files found on disk were corrupt (removed, to be redone)."""
     for stale in glob.glob(os.path.join(out, "*.tmp*")):  # ours (.tmp) and safetensors' own (.tmpXXXX)
         os.remove(stale)
-    for path in glob.glob(os.path.join(out, "hs_*.safetensors")):  # rows beyond a shorter rerun of 01
-        if int(os.path.basename(path)[3:-len(".safetensors")]) not in rows:
+    for path in row_files(out):  # rows beyond a shorter rerun of 01
+        if row_index(path) not in rows:
             os.remove(path)
     todo, corrupt = [], 0
     for i, row in rows.items():
         path = row_file(out, i)
-        if os.path.exists(path):
-            if file_is_valid(path, row["input_ids"], n_slots, hidden_size, fp8):
-                continue
+        problem = row_problem(path, len(row["input_ids"]), n_slots, hidden_size, fp8, token_ids=row["input_ids"])
+        if problem is None:
+            continue
+        if problem != "missing":
             corrupt += 1
-            log.warning(f"{path} is corrupt or from another row; redoing it")
+            log.warning(f"{path} is {problem} (corrupt or from another row); redoing it")
             os.remove(path)
         todo.append(i)
     return todo, corrupt
@@ -88,7 +90,7 @@ def extract_locked(args, backend, pad_id, prepared, out, verifier, text_config, 
         with open(cfg_path) as f:
             old = json.load(f)
         # settings of a run that wrote no states (it failed early) bind nothing
-        if old != config and glob.glob(os.path.join(out, "hs_*.safetensors")):
+        if old != config and row_files(out):
             raise UserError(f"{out} holds states of another verifier, other layers ({old['aux_layers']}) or another "
                             f"--hidden-states-dtype ({old.get('hidden_states_dtype', 'bf16')}); "
                             "delete it or choose another --data-dir")
@@ -99,7 +101,7 @@ def extract_locked(args, backend, pad_id, prepared, out, verifier, text_config, 
         log.warning(f"{prepared} changed since {out} was extracted (01_prepare_dataset.py was rerun): "
                     "extracting every row again")
         os.remove(done_path)
-        for path in glob.glob(os.path.join(out, "hs_*.safetensors")):
+        for path in row_files(out):
             os.remove(path)
     prepared_hash = prepared_fingerprint(prepared)  # before the rows are read: 01 rewriting them meanwhile is caught
     ds = load_prepared(prepared)

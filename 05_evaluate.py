@@ -67,7 +67,7 @@ def draft_names(paths: list[str]) -> dict[str, str]:
 
 def check_draft(path: str, text_config) -> None:
     """A whole speculators EAGLE-3 checkpoint for this verifier, or one line saying what is wrong with it."""
-    from common.loader import whole_safetensors
+    from common.rows import whole_safetensors
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise UserError(f"{path}: not a draft checkpoint (no config.json); run 04_train.py first")

@@ -15,8 +15,7 @@ import numpy as np
 from common.cli import run_stage, stage_parser
 from common.data import load_prepared
 from common.layout import HIDDEN_STATES, DataDir
-from common.extract import row_file
-from common.loader import check_row_file
+from common.rows import check_row_file, row_file
 from common.manifest import atomic_dir, extracted_from, find_stage_dirs, output_lock, read_manifest
 
 STAGE = "export_speculators_data"
@@ -57,7 +56,7 @@ def export(args, out: str) -> str:
         # relative links: the data dir can be moved or copied whole with its export
         for i, target in enumerate(links):
             os.symlink(os.path.relpath(target, os.path.join(out, "hidden_states")),
-                       os.path.join(tmp, "hidden_states", f"hs_{i}.safetensors"))
+                       row_file(os.path.join(tmp, "hidden_states"), i))
         for name, link in [("d2t.npy", f"d2t-{n}.npy"), ("t2d.npy", f"t2d-{n}.npy"), ("token_freq.pt", "token_freq.pt")]:
             os.symlink(os.path.relpath(os.path.abspath(os.path.join(vocab, name)), out), os.path.join(tmp, link))
     return (f"wrote {out}: {len(links):,} rows from {len(folders)} folder(s), draft vocab {n}; train with "

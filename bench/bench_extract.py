@@ -20,7 +20,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.extract import RowWriter, TransformersBackend, extract_transformers, plan_batches, row_file
+from common.extract import RowWriter, TransformersBackend, extract_transformers, plan_batches
+from common.rows import row_file
 from common.verifier import default_aux_layers
 
 SHAPES = {  # from the models' published config.json files

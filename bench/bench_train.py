@@ -35,7 +35,7 @@ def make_inputs(work: str, shape: str, rows: int, seq_len: int, draft_vocab: int
     from transformers import LlamaConfig
 
     from bench_extract import SHAPES
-    from common.extract import save_row
+    from common.rows import save_row
     from common.manifest import atomic_write_json, prepared_fingerprint
     from common.verifier import default_aux_layers, verifier_fingerprint
     if os.path.exists(os.path.join(work, "ready")):

@@ -1,29 +1,15 @@
-"""Hidden-state extraction (stage 03): token-budget batches, the transformers backend, and the file writer.
-
-A row's file is `hs_<i>.safetensors` (i = its index in the prepared rows_A-B folder, as speculators'
-FileTransfer reads it): `token_ids` [L] int64, `hidden_states` [L, n_aux+1, H] bf16 (aux layers in
-order, then the last decoder layer's output before the final norm), `loss_mask` [L] int64. With
-`--hidden-states-dtype fp8`, `hidden_states` is float8_e4m3fn and `hidden_states_scales` [L, 1, 1]
-float32 holds one scale per token: hs-connectors' fp8 format (its FP8Transfer reads it for speculators).
-"""
-import contextlib
-import os
+"""Hidden-state extraction (stage 03): token-budget batches, the transformers backend, and the writer threads
+(the row file itself: common/rows.py)."""
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-from safetensors import safe_open
-from hs_connectors.fp8_utils import SCALES_KEY as SCALES, quantize_tensor_to_fp8
-from safetensors.torch import save_file
 
 from common.errors import UserError, is_oom
 from common.log import log
+from common.rows import row_file, save_row
 from common.verifier import load_verifier_weights
-
-
-def row_file(folder: str, index: int) -> str:
-    return os.path.join(folder, f"hs_{index}.safetensors")
 
 
 def plan_batches(lengths: dict[int, int], max_tokens: int) -> list[list[int]]:
@@ -41,42 +27,6 @@ def plan_batches(lengths: dict[int, int], max_tokens: int) -> list[list[int]]:
     if current:
         batches.append(current)
     return batches
-
-
-def file_is_valid(path: str, token_ids: list[int], n_slots: int, hidden_size: int, fp8: bool = False) -> bool:
-    """A complete file of the right row: readable header, expected shapes and dtype, same tokens."""
-    try:
-        with safe_open(path, "pt") as f:
-            if set(f.keys()) != {"token_ids", "hidden_states", "loss_mask"} | ({SCALES} if fp8 else set()):
-                return False
-            shape = f.get_slice("hidden_states").get_shape()
-            if (shape != [len(token_ids), n_slots, hidden_size]
-                    or f.get_slice("hidden_states").get_dtype() != ("F8_E4M3" if fp8 else "BF16")):
-                return False
-            if fp8 and f.get_slice(SCALES).get_shape() != [len(token_ids), 1, 1]:
-                return False
-            return f.get_tensor("token_ids").tolist() == token_ids
-    except Exception:  # noqa: BLE001 - any unreadable file is simply redone
-        return False
-
-
-def save_row(path: str, token_ids, states: torch.Tensor, loss_mask, fp8: bool = False) -> int:
-    """Write atomically (temporary name, then rename); return the bytes written."""
-    tmp = f"{path}.tmp"
-    tensors = {"token_ids": torch.as_tensor(token_ids, dtype=torch.int64),
-               "loss_mask": torch.as_tensor(loss_mask, dtype=torch.int64)}
-    if fp8:
-        tensors["hidden_states"], tensors[SCALES] = quantize_tensor_to_fp8(states)  # hs-connectors' own
-    else:
-        tensors["hidden_states"] = states.contiguous()
-    try:
-        save_file(tensors, tmp)
-    except BaseException:  # a full disk: leave no part-file taking the space a rerun needs
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-    os.replace(tmp, path)
-    return os.path.getsize(path)
 
 
 class RowWriter:

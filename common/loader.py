@@ -3,7 +3,6 @@
 Batches are packed by speculators' own sampler and laid out exactly as its shift_batch and CollateFn
 lay them out (tests/test_train.py checks this), so our loop trains what its trainer trains.
 """
-import json
 import math
 import os
 import queue
@@ -17,35 +16,8 @@ from hs_connectors.fp8_utils import dequantize_fp8_tensor
 
 from common.errors import UserError
 from common.data import load_prepared
-from common.extract import SCALES, row_file
 from common.manifest import extracted_from, find_stage_dirs, read_manifest, sha256_json
-
-
-SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
-                      "F8_E4M3": torch.float8_e4m3fn}
-
-
-def safetensors_header(f) -> tuple[dict, int]:
-    """The header of an open safetensors file and the offset its data starts at."""
-    header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    return header, f.tell()
-
-
-def read_prefix(path: str, names: dict[str, torch.Tensor]) -> None:
-    """Read the first rows of each named tensor of a safetensors file straight into the given
-    (pinned) buffers, whose first dimension says how many: no intermediate copies."""
-    with open(path, "rb") as f:
-        header, base = safetensors_header(f)
-        for name, out in names.items():
-            meta = header[name]
-            if SAFETENSORS_DTYPES[meta["dtype"]] != out.dtype or meta["shape"][1:] != list(out.shape[1:]):
-                raise UserError(f"{path}: {name} is {meta['dtype']} {meta['shape']}, expected {out.dtype} "
-                                f"[*, {', '.join(map(str, out.shape[1:]))}]; rerun 03_extract_hidden_states.py")
-            if meta["shape"][0] < out.shape[0]:
-                raise UserError(f"{path}: {name} holds {meta['shape'][0]} tokens, its manifest says at least "
-                                f"{out.shape[0]}; rerun 03_extract_hidden_states.py")
-            f.seek(base + meta["data_offsets"][0])
-            f.readinto(out.view(torch.uint8).numpy())
+from common.rows import SAFETENSORS_DTYPES, SCALES, check_row_file, read_prefix, row_file, safetensors_header
 
 
 class PackedBatches:
@@ -224,37 +196,6 @@ def rows_fingerprint(folders: list[str]) -> str:
     """Which rows a run trains on: each folder's name and the prepared rows its states were extracted from."""
     return sha256_json([[os.path.basename(os.path.normpath(f)),
                          read_manifest(f, "hidden_states")["inputs"]["prepared_manifest_hash"]] for f in folders])
-
-
-def whole_safetensors(path: str) -> dict:
-    """The header of a safetensors file that is whole: it reads, and the file is exactly as long as it says.
-    FileNotFoundError if it is missing, ValueError saying what is wrong if not whole."""
-    try:
-        with open(path, "rb") as f:
-            header, base = safetensors_header(f)
-        end = max((meta["data_offsets"][1] for name, meta in header.items() if name != "__metadata__"), default=0)
-    except FileNotFoundError:
-        raise
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, OSError):
-        raise ValueError("damaged (no readable header)")
-    size = os.path.getsize(path)
-    if size != base + end:
-        raise ValueError(f"truncated or damaged ({size:,} bytes, its header says {base + end:,})")
-    return header
-
-
-def check_row_file(path: str, tokens: int, n_slots: int, hidden: int) -> None:
-    """A states file is whole before training starts (not when a batch first meets it, hours in): its
-    header reads, its shapes are the row's, and its size is exactly what the header says."""
-    try:
-        shape = whole_safetensors(path).get("hidden_states", {}).get("shape")
-    except FileNotFoundError:
-        raise UserError(f"{path} is missing; rerun 03_extract_hidden_states.py (it redoes missing rows)")
-    except ValueError as e:
-        raise UserError(f"{path} is {e}; rerun 03_extract_hidden_states.py (it redoes it)")
-    if shape != [tokens, n_slots, hidden]:
-        raise UserError(f"{path} holds states of shape {shape}, its row needs [{tokens}, {n_slots}, {hidden}]; "
-                        "rerun 03_extract_hidden_states.py")
 
 
 def split_rows(n: int, val_ratio: float, seed: int) -> tuple[list[int], list[int]]:

@@ -13,7 +13,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     ExampleHiddenStatesConnector, cleanup_hidden_states, extract_from_kv_cache, load_hidden_states)
 
 from common.errors import UserError
-from common.extract import plan_batches, row_file
+from common.extract import plan_batches
+from common.rows import row_file
 
 
 class _Done:

@@ -147,3 +147,25 @@ def test_the_layout_finds_a_data_dir_from_any_of_its_folders():
     assert states_of("/d/prepared/rows_0-64/", data) == "/d/hidden_states/rows_0-64"
     assert prepared_of("/d/hidden_states/rows_0-64") == "/d/prepared/rows_0-64" == data.prepared("rows_0-64")
     assert data.prepared() == "/d/prepared" and data.vocab_mapping == "/d/vocab_mapping"
+
+
+def test_one_validator_says_what_is_wrong_with_a_row_file(tmp_path):
+    from common.rows import row_file, row_index, row_problem, save_row
+    path = row_file(str(tmp_path), 7)
+    assert row_index(path) == 7
+    ids = [5, 6, 7, 8]
+    save_row(path, ids, torch.randn(4, 3, 16).bfloat16(), [0, 1, 1, 1])
+    assert row_problem(path, 4, 3, 16, fp8=False, token_ids=ids) is None
+    assert row_problem(path, 4, 3, 16, fp8=True) == "holding other tensors (hidden_states, loss_mask, token_ids)"
+    assert row_problem(path, 4, 3, 16, token_ids=[5, 6, 7, 9]) == "of other tokens than its row"
+    assert row_problem(path, 5, 3, 16).startswith("of the wrong shape: states [4, 3, 16]")
+    assert row_problem(row_file(str(tmp_path), 8), 4, 3, 16) == "missing"
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:-10])
+    assert row_problem(path, 4, 3, 16).startswith("truncated or damaged")
+    open(path, "wb").write(b"\0" * len(data))
+    assert row_problem(path, 4, 3, 16) == "damaged (no readable header)"
+    fp8 = row_file(str(tmp_path), 9)
+    save_row(fp8, ids, torch.randn(4, 3, 16), [0, 1, 1, 1], fp8=True)
+    assert row_problem(fp8, 4, 3, 16, fp8=True, token_ids=ids) is None
+    assert row_problem(fp8, 4, 3, 16, fp8=False) is not None
