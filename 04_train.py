@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Stage 04: hidden states + vocab mapping + verifier -> EAGLE-3 draft checkpoints in <output-dir>/checkpoints.
 
+Its defaults are the recipe docs/quality.md measured best (Muon at 1e-3, the Eagle-3.1 norms, cosine, noise
+0.05, 3 epochs); configs set only what depends on the data's size and the hardware.
 Multi-GPU: torchrun --nproc-per-node N 04_train.py ... (one process per GPU, data parallel).
 """
 import argparse
@@ -23,20 +25,21 @@ def build_parser():
                    help="extracted hidden states: one or more rows_A-B folders, hidden_states/ folders or data roots")
     p.add_argument("--vocab-mapping-dir", help="output of stage 02 (default: the vocab_mapping folder beside the data)")
     p.add_argument("--output-dir", default="out", help="checkpoints, metrics.jsonl, plots and the log go here")
-    p.add_argument("--epochs", type=number(int, 1), default=10, help="passes over the training rows")
+    p.add_argument("--epochs", type=number(int, 1), default=3, help="passes over the training rows")
     p.add_argument("--max-steps", type=number(int, 1), help="stop after this many optimizer steps (overrides --epochs)")
-    p.add_argument("--lr", type=number(float, 0, low_open=True), default=3e-4, help="peak learning rate (AdamW; with --optimizer muon its AdamW group)")
-    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+    p.add_argument("--lr", type=number(float, 0, low_open=True), default=1e-3,
+                   help="peak learning rate (of both optimizer groups under muon, unless --muon-lr)")
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="muon",
                    help="muon: Muon on fc and the decoder layer's matrices, AdamW on the norms (speculators' default)")
     p.add_argument("--muon-lr", type=number(float, 0, low_open=True), help="peak lr of the Muon group (default --lr; its update is scaled to AdamW's RMS)")
-    p.add_argument("--norm-before-fc", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--norm-before-fc", action=argparse.BooleanOptionalAction, default=True,
                    help="Eagle-3.1: an RMSNorm over the concatenated aux states before fc (speculators' eagle3 default)")
-    p.add_argument("--norm-output", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--norm-output", action=argparse.BooleanOptionalAction, default=True,
                    help="Eagle-3.1: feed the normed draft output back across TTT steps (speculators' eagle3 default)")
     p.add_argument("--min-lr-ratio", type=number(float, 0, 1), default=0.0, help="final learning rate as a share of --lr")
     p.add_argument("--scheduler", choices=["cosine", "linear", "none"], default="cosine", help="decay after warmup")
     p.add_argument("--warmup-steps", type=number(int, 0), help="warmup steps (default: --warmup-ratio of all steps)")
-    p.add_argument("--warmup-ratio", type=number(float, 0, 1), default=0.03, help="warmup as a share of all steps")
+    p.add_argument("--warmup-ratio", type=number(float, 0, 1), default=0.02, help="warmup as a share of all steps")
     p.add_argument("--weight-decay", type=number(float, 0), default=0.01, help="AdamW weight decay")
     p.add_argument("--grad-clip", type=number(float, 0, low_open=True), default=1.0, help="gradient norm clip")
     p.add_argument("--grad-accum", type=number(int, 1), default=1, help="packed sequences per optimizer step (per GPU)")
@@ -53,7 +56,7 @@ def build_parser():
                         "verifier's, so this is where it can grow (vLLM serves any width)")
     p.add_argument("--ttt-steps", type=number(int, 1), default=3, help="test-time-training unroll: draft positions trained")
     p.add_argument("--ttt-loss-decay", type=number(float, 0, low_open=True), default=1.0, help="loss weight multiplier per TTT step")
-    p.add_argument("--noise-std", type=number(float, 0), default=0.0, help="Gaussian noise on input hidden states (train only)")
+    p.add_argument("--noise-std", type=number(float, 0), default=0.05, help="Gaussian noise on input hidden states (train only)")
     p.add_argument("--loss", default="kl_div", help="speculators loss name (kl_div, ce, ...) or a JSON dict of weights")
     p.add_argument("--loss-implementation", choices=["eager", "fused"], default="eager",
                    help="on a GPU: fused (Triton) or eager; the CPU always uses eager")

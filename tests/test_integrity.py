@@ -142,7 +142,7 @@ def test_resume_is_the_same_run_and_finds_its_checkpoints(tmp_path, data_dir):
     import torch
     out = tmp_path / "out"
     run = ["--data-dir", data_dir, "--output-dir", out, "--max-seq-len", 512, "--num-workers", 1, "--val-ratio", 0,
-           "--log-every", 1, "--save-every", 1]
+           "--log-every", 1, "--save-every", 1, "--lr", 3e-4]
     stage("04_train.py", *run, "--max-steps", 2)
     assert_user_error(stage("04_train.py", *run, "--resume", "--max-steps", 3, "--grad-accum", 2, check=False),
                       "--grad-accum 1 (this run: 2)", "new --output-dir")

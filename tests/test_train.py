@@ -157,7 +157,8 @@ def test_compiled_forward_trains_what_eager_trains(tmp_path, data_dir):
     for name, flags in [("eager", []), ("compiled", ["--compile", "--compile-wait"]), ("beside", ["--compile"])]:
         out = tmp_path / name
         proc = stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--max-steps", steps, "--log-every", 1,
-                     "--val-ratio", 0, "--max-seq-len", 512, "--lr", 1e-3, "--dtype", "float32", *flags,
+                     "--val-ratio", 0, "--max-seq-len", 512, "--lr", 1e-3, "--dtype", "float32", "--optimizer", "adamw",
+                     "--noise-std", 0, *flags,
                      env={"TORCH_LOGS": "graph_breaks,recompiles"})  # float32: bf16's rounding differs between the two
         runs[name], logs[name] = records(out, "train"), proc.stdout
         assert "Graph break" not in proc.stderr and "Recompiling" not in proc.stderr, proc.stderr[-3000:]
@@ -186,7 +187,8 @@ def test_bf16_trains_what_float32_trains(tmp_path, data_dir):
         out = tmp_path / str(dtype)
         proc = stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--max-steps", steps if dtype else 2,
                      "--log-every", 1,
-                     "--val-ratio", 0, "--max-seq-len", 512, "--lr", 1e-3, *(["--dtype", dtype] if dtype else []))
+                     "--val-ratio", 0, "--max-seq-len", 512, "--lr", 1e-3, "--optimizer", "adamw", "--noise-std", 0,
+                     *(["--dtype", dtype] if dtype else []))
         ran = dtype or compute_dtype("cpu")
         assert f"device cpu x 1, {ran}" in proc.stdout
         assert read_json(out / "checkpoints" / "latest" / "run.json")["args"]["dtype"] == ran
@@ -206,7 +208,8 @@ def test_training_under_a_memory_limit_cuts_packs_and_goes_on(tmp_path, data_dir
     for gb in (2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 8.0):
         out = tmp_path / f"limit_{gb}"
         proc = stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--max-steps", 2, "--max-seq-len", 8192,
-                     "--log-every", 1, "--val-ratio", 0, "--num-workers", 1, check=False, memory_limit=int(gb * 2**30))
+                     "--log-every", 1, "--val-ratio", 0, "--num-workers", 1, "--optimizer", "adamw", "--noise-std", 0,
+                     check=False, memory_limit=int(gb * 2**30))
         if proc.returncode == 0:
             break
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -288,7 +291,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, data_dir, hs_dir, other_verif
         (["--data-dir", data_dir, "--val-ratio", 0.999], "no training rows"),
         (["--data-dir", data_dir, "--scheduler", "step"], "invalid choice"),
         (["--data-dir", data_dir, "--compile-wait"], "add --compile"),
-        (["--data-dir", data_dir, "--muon-lr", 1e-3], "add --optimizer muon"),
+        (["--data-dir", data_dir, "--optimizer", "adamw", "--muon-lr", 1e-3], "add --optimizer muon"),
         (["--data-dir", data_dir, "--best-by", "bleu"], "invalid choice"),
         (["--data-dir", data_dir, "--max-steps", 0], "--max-steps"),
         (["--data-dir", data_dir, "--loss", "nonsense"], "unknown loss function"),
