@@ -9,7 +9,7 @@ import torch
 from common.errors import UserError
 from common.cli import add_verifier_flags, number, run_stage, stage_parser
 from common.data import load_prepared
-from common.layout import PREPARED, DataDir
+from common.layout import DataDir
 from common.log import log
 from common.manifest import (atomic_dir, find_stage_dirs, output_lock, prepared_fingerprint, read_manifest,
                              write_manifest)
@@ -40,7 +40,7 @@ def build(args, out: str) -> str:
     verifier = resolve_verifier(args.verifier_path, args)
     tokenizer = load_tokenizer(verifier, args.trust_remote_code)
     target_vocab = load_text_config(verifier, args.trust_remote_code).vocab_size  # embedding rows, may exceed len(tokenizer)
-    folders = find_stage_dirs(args.prepared_dirs or args.data_dir, "prepare", PREPARED)
+    folders = find_stage_dirs(args.prepared_dirs or args.data_dir, "prepare")
     tok_hash = tokenizer_fingerprint(tokenizer)
     for folder in folders:
         if read_manifest(folder, "prepare")["inputs"]["tokenizer_hash"] != tok_hash:

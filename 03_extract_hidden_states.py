@@ -11,7 +11,7 @@ import torch
 from common.errors import UserError
 from common.cli import add_verifier_flags, check_cuda, device, number, parse_rows, run_stage, stage_parser
 from common.data import load_prepared
-from common.layout import PREPARED, DataDir, shard, states_of
+from common.layout import DataDir, shard, states_of
 from common.extract import RowWriter, TransformersBackend, extract_transformers, plan_batches
 from common.rows import row_file, row_files, row_index, row_problem
 from common.log import Progress, fmt_bytes, log
@@ -177,7 +177,7 @@ def run(args):
     tokenizer = load_tokenizer(verifier, args.trust_remote_code)
     tok_hash = tokenizer_fingerprint(tokenizer)
     folders = find_stage_dirs(DataDir(args.data_dir).prepared(shard(*parse_rows(args.rows))) if args.rows
-                              else args.data_dir, "prepare", PREPARED)
+                              else args.data_dir, "prepare")
     for folder in folders:
         if read_manifest(folder, "prepare")["inputs"]["tokenizer_hash"] != tok_hash:
             raise UserError(f"{folder} was tokenized with another tokenizer than {verifier}'s; "

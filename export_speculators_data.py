@@ -14,7 +14,7 @@ import numpy as np
 
 from common.cli import run_stage, stage_parser
 from common.data import load_prepared
-from common.layout import HIDDEN_STATES, DataDir
+from common.layout import DataDir
 from common.rows import check_row_file, row_file
 from common.manifest import atomic_dir, extracted_from, find_stage_dirs, output_lock, read_manifest
 
@@ -38,7 +38,7 @@ def export(args, out: str) -> str:
     import datasets
     vocab = DataDir(args.data_dir).vocab_mapping
     read_manifest(vocab, "vocab_mapping")
-    folders = find_stage_dirs(args.data_dir, "hidden_states", HIDDEN_STATES)
+    folders = find_stage_dirs(args.data_dir, "hidden_states")
     shards, links = [], []
     for folder in folders:
         manifest = read_manifest(folder, "hidden_states")

@@ -16,11 +16,10 @@ import time
 import yaml
 
 from common.errors import Stopped, UserError, interrupt_on_stop_signals
+from common.layout import STAGES
 from common.log import fmt_bytes, fmt_duration, log, setup_logging
 
-SECTIONS = {"01_prepare_dataset": "prepare", "02_build_vocab_mapping": "vocab",
-            "03_extract_hidden_states": "extract", "04_train": "train", "05_evaluate": "evaluate",
-            "export_speculators_data": "export"}
+SECTIONS = {s.name: s.section for s in STAGES}
 
 
 def number(kind=float, low: float | None = None, high: float | None = None, low_open: bool = False,

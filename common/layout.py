@@ -6,9 +6,31 @@ prepared shard, named as it). A run dir: `checkpoints/<name>` with the links `la
 and `training.png` (04). Either holds `logs/<stage>.log`.
 """
 import os
+from dataclasses import dataclass
 
 PREPARED, REGENERATED, HIDDEN_STATES, VOCAB_MAPPING = "prepared", "regenerated", "hidden_states", "vocab_mapping"
 STAGE_FOLDERS = (PREPARED, REGENERATED, HIDDEN_STATES)  # the folders that hold rows_A-B shards
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str           # the script without .py; its log is logs/<name>.log
+    section: str        # its section of a YAML config
+    manifest: str = ""  # the `stage` its manifests record, where others read its output
+    folder: str = ""    # what it writes in a data dir
+
+    @property
+    def script(self) -> str:
+        return f"{self.name}.py"
+
+
+STAGES = (Stage("01_prepare_dataset", "prepare", "prepare", PREPARED),
+          Stage("02_build_vocab_mapping", "vocab", "vocab_mapping", VOCAB_MAPPING),
+          Stage("03_extract_hidden_states", "extract", "hidden_states", HIDDEN_STATES),
+          Stage("04_train", "train"),
+          Stage("05_evaluate", "evaluate"),
+          Stage("export_speculators_data", "export"))
+BY_MANIFEST = {s.manifest: s for s in STAGES if s.manifest}
 
 
 def shard(a: int, b: int) -> str:

@@ -164,7 +164,7 @@ def split_pack(batch: dict, pieces: int, multiple: int = 1) -> list[tuple[dict, 
 
 def collect_rows(data_dirs, vocab_dir: str, verifier_hash: str, hidden_size: int):
     """Files and lengths of every extracted row, after checking the upstream manifests agree."""
-    folders = find_stage_dirs(data_dirs, "hidden_states", "hidden_states")
+    folders = find_stage_dirs(data_dirs, "hidden_states")
     manifests = [read_manifest(f, "hidden_states") for f in folders]
     aux = manifests[0]["aux_layers"]
     for folder, m in zip(folders, manifests):

