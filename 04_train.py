@@ -62,15 +62,14 @@ def build_parser():
                    help="on a GPU: fused (Triton) or eager; the CPU always uses eager")
     p.add_argument("--attn-impl", choices=["auto", "sdpa", "eager", "simple_flex_attention"], default="auto",
                    help="draft attention. auto: sdpa (a dense TTT mask; faster at short packs) up to 16K-token packs, "
-                        "from 16K with --compile on a GPU flex attention (a block mask: at 32K 1.83x the tokens/s in "
-                        "42%% of the memory of eager sdpa, docs/benchmarks.md); flex attention without --compile is slow")
+                        "from 16K with --compile on a GPU flex attention (a block mask: faster and smaller at long packs, "
+                        "docs/benchmarks.md); flex attention without --compile is slow")
     p.add_argument("--dtype", choices=["bfloat16", "float32"],
                    help="compute dtype of the draft's forward (bf16 autocast over float32 weights) and of the states "
                         "it reads (default bfloat16 on a GPU and on a CPU with AMX or AVX512-BF16, float32 on other CPUs)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the draft forward, on a thread beside the first (eager) steps; the loop "
-                        "switches to it when it is built, and logs how long that took (H200, 8B-shaped draft: "
-                        "1.48x the eager tokens/s, 1.45x speculators' Trainer, see docs/benchmarks.md)")
+                        "switches to it when it is built, and logs how long that took (its speed: docs/benchmarks.md)")
     p.add_argument("--compile-wait", action="store_true",
                    help="with --compile: compile before the first step, so every step runs compiled "
                         "(reproducible step for step, and faster over a long run, since eager steps beside a compile run "

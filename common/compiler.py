@@ -10,10 +10,9 @@ from common.log import log
 class Compiler:
     """torch.compile of the draft's forward, run once on the first batch on a thread of its own while
     the loop goes on with eager steps; the loop switches to the compiled forward when it is built.
-    A cold compile took 30-40 s for an 8B-shaped draft on an H200: without this, silent time before the
-    first step that looks like a hang. Its one forward runs beside the eager steps, so GPU memory may
-    peak near both (measured there, when it also ran a backward: 10.8 GB, against 10.7 eager and 7.9
-    compiled). `wait` compiles before the first step instead."""
+    A cold compile takes tens of seconds (docs/benchmarks.md): without this, silent time before the first
+    step that looks like a hang. Its one forward runs beside the eager steps, so GPU memory may peak near
+    both. `wait` compiles before the first step instead."""
 
     def __init__(self, model, call, wait: bool, announce: bool):
         self.model, self.call, self.wait, self.announce = model, call, wait, announce

@@ -25,8 +25,8 @@ class PackedBatches:
     its CollateFn: rows shifted by one token, concatenated, cut and zero-padded to max_len).
 
     Rows are read by `threads` threads straight into a ring of pinned host buffers, copied to the
-    device whole and laid out there: its DataLoader path makes five host copies of each 67 MB
-    batch (an 8B verifier, 2048 tokens), which measured slower than the training step itself.
+    device whole and laid out there: its DataLoader path makes five host copies of each batch, which
+    measured slower than the training step itself (docs/benchmarks.md).
     """
 
     def __init__(self, files, lengths, n_aux: int, hidden: int, max_len: int, device, dtype, threads: int,

@@ -93,8 +93,8 @@ def sampler(temperature: float, top_p: float, seed: int, device):
 class TransformersGenerator:
     """transformers generation, in one of three batchings: `padded` (generate() on left-padded batches, prompts
     sorted by length and batched by a token budget: quick on the CPU), `continuous` (generate_batch(): a
-    paged KV cache that refills finished slots; several times slower on the CPU, and its scheduler held the
-    H200 to 1.6K tokens/s) or `slots` (common/slot_decode.py: fixed cache slots, refilled in groups; Llama-style
+    paged KV cache that refills finished slots; slower on the CPU, and its Python scheduler held a GPU to a
+    fraction of the others, docs/benchmarks.md) or `slots` (common/slot_decode.py: fixed cache slots, refilled in groups; Llama-style
     verifiers; the fast one on a GPU)."""
 
     def __init__(self, verifier: str, device: str, trust_remote_code: bool, batch_tokens: int, eos: int, pad: int,

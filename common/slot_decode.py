@@ -2,7 +2,7 @@
 
 transformers' own batching is slow where 01 regenerates on a GPU without vLLM: padded generate() waits
 for the longest reply of each batch and its cache grows by concatenation; generate_batch()'s Python
-scheduler held one core at 1.6K tokens/s on the H200. Here every row owns one slot of a preallocated
+scheduler holds one core and starves the GPU (docs/benchmarks.md). Here every row owns one slot of a preallocated
 [slots, kv heads, max_len, head dim] cache per layer and its own position; one decode step runs all
 slots at once (a finished slot's work is wasted until it is refilled), and free slots are refilled in
 groups: the new prompts are prefilled by the model's own forward (right-padded) and their keys and

@@ -208,8 +208,8 @@ FLEX_FROM_TOKENS = 16384  # packs this long train with flex attention's block ma
 
 def draft_attention(args, on_gpu: bool) -> str:
     """--attn-impl auto: sdpa with speculators' dense TTT mask for short packs (compiled, it beat flex attention at
-    2K tokens), flex attention's block mask from FLEX_FROM_TOKENS on, compiled: at 32K-token packs of an 8B-shaped
-    draft 1.83x the tokens/s of eager sdpa in 42% of its memory (docs/benchmarks.md). Flex attention runs only
+    2K tokens), flex attention's block mask from FLEX_FROM_TOKENS on, compiled: faster and in less memory at long
+    packs (docs/benchmarks.md, stage 04 at long context). Flex attention runs only
     compiled: eager, it falls back to a path that materializes every score."""
     long_packs = args.pack_tokens >= FLEX_FROM_TOKENS
     if args.attn_impl == FLEX and not on_gpu:

@@ -225,8 +225,8 @@ def verifier_fingerprint(text_config) -> str:
 
 def compute_dtype(device: str) -> str:
     """Default compute dtype of the verifier (03) and the draft (04): bfloat16 on a GPU and on a CPU that
-    multiplies bfloat16 natively (bench/bench_cpu_dtype.py, 2 cores: Intel AMX 03 2.89x and 04 1.52x faster;
-    AMD EPYC with AVX512-BF16 03 1.70x, 04 1.37x), float32 on other CPUs, where bfloat16 is emulated."""
+    multiplies bfloat16 natively (AMX or AVX512-BF16: faster there, docs/benchmarks.md), float32 on other CPUs,
+    where bfloat16 is emulated."""
     if device != "cpu":
         return "bfloat16"
     import torch
