@@ -5,12 +5,14 @@ import time
 from collections import Counter
 
 from common.errors import UserError
-from common.cli import add_verifier_flags, check_cuda, device, number, parse_rows, run_stage, stage_parser
+from common.cli import add_verifier_flags, check_cuda, parse_rows, run_stage, stage_parser
+from common.config import RegenConfig, add_options, from_args, number, resolved
 from common.data import is_held_out, load_records, normalize, prepare_rows, rows_hash
 from common.layout import DataDir, shard
 from common.log import Progress, log
 from common.manifest import atomic_dir, output_lock, write_manifest
-from common.verifier import load_text_config, load_tokenizer, resolve_verifier, tokenizer_fingerprint, verifier_fingerprint
+from common.verifier import (load_text_config, load_tokenizer, remote_code_needed, resolve_verifier, tokenizer_fingerprint,
+                             verifier_fingerprint)
 
 STAGE = "01_prepare_dataset"
 
@@ -33,40 +35,23 @@ def build_parser():
                         "reasoning on (Kimi-K2.5's and Qwen3's default), or drop it from every reply (a verifier "
                         "served without reasoning); the log counts the conversations changed either way")
     g = p.add_argument_group("regeneration: every assistant reply rewritten by the verifier, turn by turn")
-    g.add_argument("--regenerate", choices=["none", "vllm", "transformers"], default="none",
-                   help="backend that regenerates the replies (vllm: what you serve with; transformers: batched "
-                        "generate on a GPU without vLLM); kept under <data-dir>/regenerated/rows_A-B, resumable")
-    g.add_argument("--temperature", type=number(float, 0), default=0.0, help="0 = greedy replies; above 0 samples them")
-    g.add_argument("--top-p", type=number(float, 0, 1, low_open=True), default=1.0, help="nucleus sampling share, with --temperature > 0")
-    g.add_argument("--max-new-tokens", type=number(int, 1), default=512,
-                   help="longest reply; a reply cut here is trained without the end-of-turn token after it "
-                        "(the conversation goes on), a greedy loop in it cut after two periods")
-    g.add_argument("--regen-chunk", type=number(int, 1), default=1024,
-                   help="conversations per resumable part (one file each, written when the part is done)")
-    g.add_argument("--regen-batch-tokens", type=number(int, 1), default=1 << 20,
-                   help="transformers: prompt+reply tokens per padded batch, or of the KV cache of the slots or the "
-                        "continuous batching (GPU memory; slots: this many tokens / --max-seq-len rows)")
-    g.add_argument("--regen-batching", choices=["auto", "padded", "continuous", "slots"], default="auto",
-                   help="transformers: padded generate() batches; continuous batching (generate_batch: paged KV "
-                        "cache; its scheduler is slow); or slots (a fixed KV cache of rows refilled as replies end, "
-                        "Llama-style verifiers, the fast one on a GPU); auto: slots on CUDA for the verifiers it "
-                        "supports, else padded")
-    g.add_argument("--tensor-parallel-size", type=number(int, 1), default=1, help="vllm: GPUs the verifier is split over")
-    g.add_argument("--device", type=device, default="auto", help="transformers: device of the verifier (auto: cuda if there is one)")
+    add_options(g, RegenConfig)  # each flag's default, help and check: common/config.py
     return p
 
 
 def run(args):
     if args.rows and args.num_samples:
         raise UserError("give --rows or --num-samples, not both")
+    rows_range = parse_rows(args.rows)
+    start = time.time()
+    verifier = resolve_verifier(args.verifier_path)
+    # the settings resolved in one visible step (the manifest records them)
+    args = resolved(args, trust_remote_code=remote_code_needed(verifier, args.trust_remote_code))
     if args.regenerate != "none":
         import torch
         if args.device == "auto":
-            args.device = "cuda" if torch.cuda.is_available() else "cpu"
+            args = resolved(args, device="cuda" if torch.cuda.is_available() else "cpu")
         check_cuda(args.device)
-    rows_range = parse_rows(args.rows)
-    start = time.time()
-    verifier = resolve_verifier(args.verifier_path, args)
     tokenizer = load_tokenizer(verifier, args.trust_remote_code)
     if tokenizer.chat_template is None:
         raise UserError(f"the tokenizer of {verifier} has no chat template; use a chat (instruct) model's folder")
@@ -97,7 +82,8 @@ def prepare_shard(args, selected, a, b, tokenizer, verifier, start, notes):
         selected = [(i, r if isinstance(r, str) else normalize(r)) for i, r in selected]
         selected, regen_counts = regenerate(selected, tokenizer, verifier,
                                             verifier_fingerprint(load_text_config(verifier, args.trust_remote_code)),
-                                            DataDir(args.data_dir).regenerated(shard(a, b)), args)
+                                            DataDir(args.data_dir).regenerated(shard(a, b)),
+                                            from_args(RegenConfig, args))
     progress = Progress(len(selected), "rows")
     changed = Counter()
     rows, dropped = prepare_rows(tokenizer, selected, args.max_seq_len, on_row=progress.update, reasoning=args.reasoning,

@@ -7,13 +7,14 @@ import numpy as np
 import torch
 
 from common.errors import UserError
-from common.cli import add_verifier_flags, number, run_stage, stage_parser
+from common.cli import add_verifier_flags, run_stage, stage_parser
+from common.config import number, resolved
 from common.data import load_prepared
 from common.layout import DataDir
 from common.log import log
 from common.manifest import (atomic_dir, find_stage_dirs, output_lock, prepared_fingerprint, read_manifest,
                              write_manifest)
-from common.verifier import load_text_config, load_tokenizer, resolve_verifier, tokenizer_fingerprint
+from common.verifier import load_text_config, load_tokenizer, remote_code_needed, resolve_verifier, tokenizer_fingerprint
 from common.vocab import build_mapping, count_assistant_tokens
 
 STAGE = "02_build_vocab_mapping"
@@ -37,7 +38,8 @@ def run(args):
 
 def build(args, out: str) -> str:
     start = time.time()
-    verifier = resolve_verifier(args.verifier_path, args)
+    verifier = resolve_verifier(args.verifier_path)
+    args = resolved(args, trust_remote_code=remote_code_needed(verifier, args.trust_remote_code))
     tokenizer = load_tokenizer(verifier, args.trust_remote_code)
     target_vocab = load_text_config(verifier, args.trust_remote_code).vocab_size  # embedding rows, may exceed len(tokenizer)
     folders = find_stage_dirs(args.prepared_dirs or args.data_dir, "prepare")

@@ -9,7 +9,8 @@ import time
 import torch
 
 from common.errors import UserError
-from common.cli import add_verifier_flags, check_cuda, device, number, parse_rows, run_stage, stage_parser
+from common.cli import add_verifier_flags, check_cuda, parse_rows, run_stage, stage_parser
+from common.config import device, number, resolved
 from common.data import load_prepared
 from common.layout import DataDir, shard, states_of
 from common.extract import RowWriter, TransformersBackend, extract_transformers, plan_batches
@@ -18,7 +19,7 @@ from common.log import Progress, fmt_bytes, log
 from common.manifest import (atomic_write_json, find_stage_dirs, output_lock, prepared_fingerprint, read_manifest,
                              write_manifest)
 from common.verifier import (check_aux_layers, check_weights, compute_dtype, default_aux_layers, load_text_config,
-                             load_tokenizer, resolve_verifier, tokenizer_fingerprint, verifier_fingerprint)
+                             load_tokenizer, remote_code_needed, resolve_verifier, tokenizer_fingerprint, verifier_fingerprint)
 
 STAGE = "03_extract_hidden_states"
 
@@ -173,7 +174,8 @@ def extract_locked(args, backend, pad_id, prepared, out, verifier, text_config, 
 
 def run(args):
     check_cuda(args.device)
-    verifier = resolve_verifier(args.verifier_path, args)
+    verifier = resolve_verifier(args.verifier_path)
+    args = resolved(args, trust_remote_code=remote_code_needed(verifier, args.trust_remote_code))
     tokenizer = load_tokenizer(verifier, args.trust_remote_code)
     tok_hash = tokenizer_fingerprint(tokenizer)
     folders = find_stage_dirs(DataDir(args.data_dir).prepared(shard(*parse_rows(args.rows))) if args.rows
@@ -187,7 +189,8 @@ def run(args):
     n = text_config.num_hidden_layers
     aux = check_aux_layers(args.layers if args.layers else default_aux_layers(n), n)
     log.info(f"verifier {verifier}: {n} layers, hidden {text_config.hidden_size}; aux layers {aux} + final layer {n}")
-    args.dtype = dtype = args.dtype or compute_dtype(args.device)  # the manifest's flags record the one used
+    args = resolved(args, dtype=args.dtype or compute_dtype(args.device))  # the manifest's flags record the one used
+    dtype = args.dtype
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if args.backend == "transformers":
         backend = TransformersBackend.load(verifier, aux, n, dtype, args.device, args.trust_remote_code)

@@ -8,11 +8,13 @@ import os
 import torch
 
 from common.errors import UserError
-from common.cli import add_verifier_flags, check_cuda, device, number, run_stage, stage_parser
+from common.cli import add_verifier_flags, check_cuda, run_stage, stage_parser
+from common.config import EvalConfig, add_options, device, from_args, number, resolved
 from common.cost import draft_read, estimated_speedup, verifier_read
 from common.log import log
 from common.manifest import output_lock
-from common.verifier import check_weights, load_text_config, load_tokenizer, resolve_verifier
+from common.verifier import (check_weights, compute_dtype, load_text_config, load_tokenizer, remote_code_needed,
+                             resolve_verifier)
 
 STAGE = "05_evaluate"
 
@@ -29,22 +31,14 @@ def build_parser():
     p.add_argument("--output-dir", default="out", help="the report goes to <output-dir>/eval")
     p.add_argument("--num-prompts", type=number(int, 1), default=16, help="conversations to answer")
     p.add_argument("--max-turns", type=number(int, 1), default=2, help="user turns per conversation, answered one by one")
-    p.add_argument("--max-new-tokens", type=number(int, 1), default=128, help="tokens generated per answer")
-    p.add_argument("--max-prompt-len", type=number(int, 1), default=1024, help="keep at most the last N prompt tokens")
-    p.add_argument("--num-speculative-tokens", type=number(int, 1), default=3, help="draft tokens proposed per verify step")
-    p.add_argument("--temperature", type=number(float, 0), default=0.0, help="0 = greedy (and the lossless check)")
     p.add_argument("--backend", choices=["vllm", "transformers"], default="vllm",
                    help="vllm (real speculative decoding) or transformers (simulated greedy chain, no vLLM needed)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="verifier dtype (default bfloat16 on a GPU, float32 on the CPU)")
-    p.add_argument("--tensor-parallel-size", type=number(int, 1), default=1,
-                   help="vllm backend: GPUs the verifier (and its draft) are split over, as you serve it")
-    p.add_argument("--gpu-memory-utilization", type=number(float, 0, 1, low_open=True), default=0.9,
-                   help="vllm backend: share of each GPU's memory the engine may take (weights + KV cache)")
+                   help="verifier dtype (default: compute_dtype's rule for generated text, common/verifier.py)")
     p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
                    help="transformers backend device: cuda, cpu, or auto (the verifier spread over all GPUs by "
                         "device_map, for one that does not fit a single GPU)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompt choice and of sampling")
+    add_options(p, EvalConfig)  # decoding and the engine: each flag's default, help and check in common/config.py
     return p
 
 
@@ -102,7 +96,12 @@ def run(args):
 
 def evaluate(args) -> str:
     from common import evaluate as ev
-    verifier = resolve_verifier(args.verifier_path, args)
+    verifier = resolve_verifier(args.verifier_path)
+    # the settings resolved in one visible step: whether the verifier's code runs, the dtype
+    device_type = "cpu" if args.device == "cpu" or not torch.cuda.is_available() else "cuda"
+    args = resolved(args, trust_remote_code=remote_code_needed(verifier, args.trust_remote_code),
+                    dtype=args.dtype or compute_dtype(device_type, generating=True))
+    cfg = from_args(EvalConfig, args)
     text_config = load_text_config(verifier, args.trust_remote_code)
     check_weights(verifier, text_config)
     drafts = draft_names([args.draft_path, *args.compare])
@@ -110,8 +109,6 @@ def evaluate(args) -> str:
         check_draft(path, text_config)
     tokenizer = load_tokenizer(verifier, args.trust_remote_code)
     prompts = ev.load_prompts(args.prompts, args.data_dir, args.num_prompts, args.max_turns, args.seed)
-    args.dtype = args.dtype or ("float32" if args.device == "cpu" or not torch.cuda.is_available() else "bfloat16")
-    args.max_model_len = args.max_prompt_len + args.max_new_tokens + args.num_speculative_tokens + 16
     log.info(f"{len(prompts)} conversations, {sum(map(len, prompts))} turns, {args.max_new_tokens} new tokens each; "
              f"backend {args.backend}")
     report = {"backend": args.backend, "verifier": verifier, "num_speculative_tokens": args.num_speculative_tokens,
@@ -120,21 +117,21 @@ def evaluate(args) -> str:
 
     eos = tokenizer.eos_token_id
     if args.backend == "vllm":
-        llm = ev.vllm_engine(verifier, args)
-        base, base_time, base_tokens = ev.generate_vllm(llm, tokenizer, prompts, args)
+        llm = ev.vllm_engine(verifier, cfg)
+        base, base_time, base_tokens = ev.generate_vllm(llm, tokenizer, prompts, cfg)
         del llm
         gc.collect()
     else:
         from common.draft import load_draft
         sim = ev.ChainSimulator(verifier, args.device, getattr(torch, args.dtype), args.trust_remote_code)
         base, base_time, base_tokens = ev.answer_one_by_one(
-            lambda ids: sim.plain(ids, args.max_new_tokens, eos), tokenizer, prompts, args)
+            lambda ids: sim.plain(ids, args.max_new_tokens, eos), tokenizer, prompts, cfg)
     report["baseline_tokens_per_s"] = base_tokens / base_time
     for name, path in drafts.items():
         per_conversation = [[0, 0] for _ in prompts]  # verify steps, accepted draft tokens
         if args.backend == "vllm":
-            llm = ev.vllm_engine(verifier, args, draft=path)
-            answers, wall, tokens = ev.generate_vllm(llm, tokenizer, prompts, args, per_conversation)
+            llm = ev.vllm_engine(verifier, cfg, draft=path)
+            answers, wall, tokens = ev.generate_vllm(llm, tokenizer, prompts, cfg, per_conversation)
             stats = ev.spec_counters(llm)
             del llm
             gc.collect()
@@ -143,7 +140,7 @@ def evaluate(args) -> str:
             stats = ev.new_stats(args.num_speculative_tokens)
             answers, wall, tokens = ev.answer_one_by_one(
                 lambda ids: sim.generate(ids, args.max_new_tokens, args.num_speculative_tokens, eos, stats),
-                tokenizer, prompts, args, stats, per_conversation)
+                tokenizer, prompts, cfg, stats, per_conversation)
         result = ev.acceptance(stats)
         result.update(tokens_per_s=tokens / wall, generated_tokens=tokens, path=path)
         # what a drafted token costs against a verify step, as memory-bound decoding of a large verifier pays it

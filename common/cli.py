@@ -22,34 +22,6 @@ from common.log import fmt_bytes, fmt_duration, log, setup_logging
 SECTIONS = {s.name: s.section for s in STAGES}
 
 
-def number(kind=float, low: float | None = None, high: float | None = None, low_open: bool = False,
-           high_open: bool = False):
-    """An argparse type checking a flag's range where the flag is declared, so YAML values meet the same check;
-    NaN is outside every range."""
-    if high is None:
-        rule = "a positive number" if low == 0 and low_open else f"at least {low}"
-    else:
-        rule = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-
-    def check(text: str):
-        value = kind(text)  # a ValueError here is argparse's "invalid int value: '2.5'"
-        below = low is not None and not (value > low if low_open else value >= low)
-        above = high is not None and not (value < high if high_open else value <= high)
-        if below or above or value != value:
-            raise argparse.ArgumentTypeError(f"{value}: must be {rule}")
-        return value
-    check.__name__ = kind.__name__  # argparse names the type in its other messages
-    check.rule = rule  # --help shows it
-    return check
-
-
-def device(text: str) -> str:
-    """An argparse type: cpu, cuda, cuda:N or auto."""
-    if text not in ("auto", "cpu", "cuda") and not (text.startswith("cuda:") and text[5:].isdigit()):
-        raise argparse.ArgumentTypeError(f"{text}: use cuda, cuda:N, cpu or auto")
-    return text
-
-
 def check_cuda(device_flag: str) -> None:
     """A CUDA device asked for on a machine without one: one line, before anything loads."""
     import torch

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import torch
 
+from common.config import EvalConfig
 from common.errors import UserError
 from common.data import HELD_OUT_EVERY, is_held_out, load_prepared, load_records, normalize
 from common.layout import DataDir
@@ -73,20 +74,20 @@ def clip_prompt(ids: list[int], max_prompt: int) -> list[int]:
 
 # ---------------------------------------------------------------- vLLM
 
-def vllm_engine(verifier: str, args, draft: str | None = None):
+def vllm_engine(verifier: str, cfg: EvalConfig, draft: str | None = None):
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
     spec = None if draft is None else {"method": "eagle3", "model": draft,
-                                       "num_speculative_tokens": args.num_speculative_tokens}
+                                       "num_speculative_tokens": cfg.num_speculative_tokens}
     # text prompts only: a multimodal wrapper (Kimi-K2.5) runs without building its vision tower
     # per-request counts (summary: a histogram of accepted tokens per verify step) give each conversation's figures;
     # a vLLM older than them serves without (and 05 reports no intervals)
     per_request = {"per_request_spec_decode_metrics": "summary"} if draft is not None and (
         "per_request_spec_decode_metrics" in {f.name for f in dataclasses.fields(EngineArgs)}) else {}
     return LLM(model=verifier, speculative_config=spec, disable_log_stats=False, enforce_eager=True, **per_request,
-               max_model_len=args.max_model_len, dtype=args.dtype, seed=args.seed,
-               trust_remote_code=args.trust_remote_code, enable_prefix_caching=False,
-               tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=args.gpu_memory_utilization,
+               max_model_len=cfg.max_model_len, dtype=cfg.dtype, seed=cfg.seed,
+               trust_remote_code=cfg.trust_remote_code, enable_prefix_caching=False,
+               tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
                language_model_only=True)
 
 
@@ -105,12 +106,12 @@ def spec_counters(llm) -> dict:
     return out
 
 
-def generate_vllm(llm, tokenizer, prompts, args, per_conversation=None) -> tuple[list[list[list[int]]], float, int]:
+def generate_vllm(llm, tokenizer, prompts, cfg: EvalConfig, per_conversation=None) -> tuple[list[list[list[int]]], float, int]:
     """Answer every conversation turn by turn (all conversations batched per turn); returns the
     token ids of each answer, the wall time and the tokens generated. With speculation, adds each
     conversation's verify steps and accepted draft tokens into `per_conversation` ([steps, accepted] each)."""
     from vllm import SamplingParams, TokensPrompt
-    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    params = SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
     histories = [[] for _ in prompts]
     answers = [[] for _ in prompts]
     start, generated = time.time(), 0
@@ -118,7 +119,7 @@ def generate_vllm(llm, tokenizer, prompts, args, per_conversation=None) -> tuple
         active = [i for i, p in enumerate(prompts) if turn < len(p)]
         for i in active:
             histories[i].append({"role": "user", "content": prompts[i][turn]})
-        inputs = [TokensPrompt(prompt_token_ids=clip_prompt(render(tokenizer, histories[i]), args.max_prompt_len))
+        inputs = [TokensPrompt(prompt_token_ids=clip_prompt(render(tokenizer, histories[i]), cfg.max_prompt_len))
                   for i in active]
         for i, out in zip(active, llm.generate(inputs, params, use_tqdm=False)):
             ids = list(out.outputs[0].token_ids)
@@ -249,7 +250,7 @@ def crop(cache, length: int) -> None:
         cache.crop(-extra)
 
 
-def answer_one_by_one(generate, tokenizer, prompts, args, stats=None, per_conversation=None) -> tuple[list, float, int]:
+def answer_one_by_one(generate, tokenizer, prompts, cfg: EvalConfig, stats=None, per_conversation=None) -> tuple[list, float, int]:
     """Answer each conversation turn by turn with generate(prompt_ids) -> answer ids; with the `stats` that
     generate adds to, each conversation's verify steps and accepted draft tokens go into `per_conversation`."""
     answers, start, generated = [], time.time(), 0
@@ -258,7 +259,7 @@ def answer_one_by_one(generate, tokenizer, prompts, args, stats=None, per_conver
         history, conv = [], []
         for turn in turns:
             history.append({"role": "user", "content": turn})
-            ids = generate(clip_prompt(render(tokenizer, history), args.max_prompt_len))
+            ids = generate(clip_prompt(render(tokenizer, history), cfg.max_prompt_len))
             generated += len(ids)
             conv.append(ids)
             history.append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})

@@ -17,7 +17,8 @@ import torch
 from common.errors import UserError
 from common.log import Progress, log
 from common.manifest import atomic_write_json, atomic_write_text
-from common.verifier import load_verifier_lm
+from common.config import RegenConfig
+from common.verifier import compute_dtype, load_verifier_lm
 
 SETTINGS = "settings.json"
 LOOP_MIN_TOKENS = 32   # a tail repeating at least this long, with period <= LOOP_MAX_PERIOD, is a loop
@@ -100,7 +101,7 @@ class TransformersGenerator:
     def __init__(self, verifier: str, device: str, trust_remote_code: bool, batch_tokens: int, eos: int, pad: int,
                  batching: str = "padded", max_len: int = 0, dtype: torch.dtype | None = None):
         self.device = torch.device(device)
-        dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        dtype = dtype or getattr(torch, compute_dtype(self.device.type, generating=True))
         self.model = load_verifier_lm(verifier, dtype=dtype, trust_remote_code=trust_remote_code)
         self.model.to(self.device).eval()
         from common.slot_decode import check_supported, supported
@@ -190,7 +191,7 @@ class VllmGenerator:
         on_cpu = not torch.cuda.is_available()
         self.llm = LLM(model=verifier, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
                        trust_remote_code=trust_remote_code, enforce_eager=on_cpu,
-                       dtype="float32" if on_cpu else "auto", enable_prefix_caching=True)
+                       dtype=compute_dtype("cpu" if on_cpu else "cuda", generating=True), enable_prefix_caching=True)
         self.eos = eos
 
     def __call__(self, prompts, max_new, temperature, top_p, seeds):
@@ -205,13 +206,13 @@ class VllmGenerator:
         return results
 
 
-def next_prompt(s: dict, tokenizer, args, counts: Counter):
+def next_prompt(s: dict, tokenizer, cfg: RegenConfig, counts: Counter):
     """The conversation's next reply to generate: (prompt ids, room for the reply), or None when it is done."""
     if not s.get("open") or s["turn"] >= len(s["groups"]):
         return None
     history = s["history"] + s["groups"][s["turn"]]
     ids = encode(tokenizer, history)
-    room = min(args.max_new_tokens, args.max_seq_len - len(ids))
+    room = min(cfg.max_new_tokens, cfg.max_seq_len - len(ids))
     if room < 1:  # no room left for a reply within --max-seq-len: the row ends here
         s["open"] = False
         counts["stopped_at_max_seq_len"] += 1
@@ -250,7 +251,7 @@ def take_reply(s: dict, prompt: list[int], reply: list[int], finished: bool, tok
         message["trained_chars"] = len(message["content"])
 
 
-def regenerate_part(generate, tokenizer, part: list, args, counts: Counter) -> list[dict]:
+def regenerate_part(generate, tokenizer, part: list, cfg: RegenConfig, counts: Counter) -> list[dict]:
     # `counts` gathers this part's replies, tokens and cuts; they are saved with it
     """Regenerate one part. A generator that streams (slots) takes a conversation's next turn as soon as
     its reply ends; the others go in rounds over reply positions, every conversation batched per round."""
@@ -265,7 +266,7 @@ def regenerate_part(generate, tokenizer, part: list, args, counts: Counter) -> l
     def next_prompts():  # the next reply of every conversation still open: (owners, prompts, rooms)
         owners, prompts, max_new = [], [], []
         for s in states:
-            if "dropped" not in s and (nxt := next_prompt(s, tokenizer, args, counts)) is not None:
+            if "dropped" not in s and (nxt := next_prompt(s, tokenizer, cfg, counts)) is not None:
                 owners.append(s)
                 prompts.append(nxt[0])
                 max_new.append(nxt[1])
@@ -279,7 +280,7 @@ def regenerate_part(generate, tokenizer, part: list, args, counts: Counter) -> l
         def follow(i: int, reply: list[int], finished: bool):
             s = owners[i]
             take_reply(s, prompts[i], reply, finished, tokenizer, counts)
-            nxt = next_prompt(s, tokenizer, args, counts)
+            nxt = next_prompt(s, tokenizer, cfg, counts)
             if nxt is not None:
                 owners.append(s)
             if time.time() - shown[0] >= 30:  # progress within a part: replies, tokens and rate so far
@@ -288,7 +289,7 @@ def regenerate_part(generate, tokenizer, part: list, args, counts: Counter) -> l
                          f"come), {counts['generated_tokens']:,} tokens, "
                          f"{counts['generated_tokens'] / (shown[0] - t0):,.0f} generated tok/s")
             return nxt
-        generate.stream(prompts, max_new, args.temperature, args.top_p, args.seed, follow)
+        generate.stream(prompts, max_new, cfg.temperature, cfg.top_p, cfg.seed, follow)
         log.info(f"  {len(prompts)} replies, {counts['generated_tokens'] / max(time.time() - t0, 1e-9):,.0f} "
                  "generated tok/s")
         turns = 0  # no rounds left
@@ -298,9 +299,9 @@ def regenerate_part(generate, tokenizer, part: list, args, counts: Counter) -> l
         active, prompts, max_new = next_prompts()
         if not active:
             break
-        seeds = [args.seed * 1_000_003 + s["id"] * 101 + turn for s in active]
+        seeds = [cfg.seed * 1_000_003 + s["id"] * 101 + turn for s in active]
         t0, before = time.time(), counts["generated_tokens"]
-        replies = generate(prompts, max_new, args.temperature, args.top_p, seeds)
+        replies = generate(prompts, max_new, cfg.temperature, cfg.top_p, seeds)
         for s, prompt, (reply, finished) in zip(active, prompts, replies):
             take_reply(s, prompt, reply, finished, tokenizer, counts)
         log.info(f"  reply {turn + 1}: {len(active)} conversations, "
@@ -316,12 +317,13 @@ def regenerate_part(generate, tokenizer, part: list, args, counts: Counter) -> l
     return out
 
 
-def regenerate(records: list, tokenizer, verifier: str, verifier_hash: str, folder: str, args) -> tuple[list, dict]:
+def regenerate(records: list, tokenizer, verifier: str, verifier_hash: str, folder: str,
+               cfg: RegenConfig) -> tuple[list, dict]:
     """(conversation id, normalized messages or a drop reason) in; the same with regenerated replies out,
     and the counts. Finished parts under `folder` are reused."""
-    settings = {"verifier_hash": verifier_hash, "temperature": args.temperature, "top_p": args.top_p,
-                "max_new_tokens": args.max_new_tokens, "max_seq_len": args.max_seq_len, "seed": args.seed,
-                "regen_chunk": args.regen_chunk, "conversations": [i for i, _ in records]}
+    settings = {"verifier_hash": verifier_hash, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                "max_new_tokens": cfg.max_new_tokens, "max_seq_len": cfg.max_seq_len, "seed": cfg.seed,
+                "regen_chunk": cfg.regen_chunk, "conversations": [i for i, _ in records]}
     os.makedirs(folder, exist_ok=True)
     settings_path = os.path.join(folder, SETTINGS)
     if os.path.exists(settings_path):
@@ -332,7 +334,7 @@ def regenerate(records: list, tokenizer, verifier: str, verifier_hash: str, fold
                             "--top-p, --max-new-tokens, --max-seq-len, --seed or --regen-chunk; delete it to regenerate")
     else:
         atomic_write_json(settings_path, settings)
-    parts = [records[i:i + args.regen_chunk] for i in range(0, len(records), args.regen_chunk)]
+    parts = [records[i:i + cfg.regen_chunk] for i in range(0, len(records), cfg.regen_chunk)]
     paths = [os.path.join(folder, f"part_{k:05d}.jsonl") for k in range(len(parts))]
     todo = [k for k, path in enumerate(paths) if not os.path.exists(path)]
     generate = None
@@ -340,20 +342,20 @@ def regenerate(records: list, tokenizer, verifier: str, verifier_hash: str, fold
         log.info(f"regeneration: {len(parts) - len(todo)} of {len(parts)} parts already done in {folder}")
     if todo:
         eos = tokenizer.eos_token_id
-        if args.regenerate == "vllm":
-            generate = VllmGenerator(verifier, args.tensor_parallel_size, args.max_seq_len + 8,
-                                     args.trust_remote_code, eos)
+        if cfg.regenerate == "vllm":
+            generate = VllmGenerator(verifier, cfg.tensor_parallel_size, cfg.max_seq_len + 8,
+                                     cfg.trust_remote_code, eos)
         else:
-            generate = TransformersGenerator(verifier, args.device, args.trust_remote_code, args.regen_batch_tokens,
+            generate = TransformersGenerator(verifier, cfg.device, cfg.trust_remote_code, cfg.regen_batch_tokens,
                                              eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
-                                             args.regen_batching, args.max_seq_len)
-            log.info(f"regeneration: transformers on {args.device}, {generate.batching} batching")
+                                             cfg.regen_batching, cfg.max_seq_len)
+            log.info(f"regeneration: transformers on {cfg.device}, {generate.batching} batching")
     start, now = time.time(), Counter()  # `now`: what this run generated, for its rate
     progress = Progress(sum(len(parts[k]) for k in todo), "conversations", desc="regenerated",
                         extra=lambda: f"{now['generated_tokens'] / max(time.time() - start, 1e-9):,.0f} generated tok/s")
     for k in todo:
         part_start, part_counts = time.time(), Counter()
-        rows = regenerate_part(generate, tokenizer, parts[k], args, part_counts)
+        rows = regenerate_part(generate, tokenizer, parts[k], cfg, part_counts)
         part_counts["seconds"] = round(time.time() - part_start, 1)
         now.update(part_counts)
         # the part's counts ride as its last line, so a resumed run's manifest still counts every part

@@ -20,22 +20,22 @@ from common.loader import PackedBatches, collect_rows, epoch_batches, rows_finge
 from common.log import LAUNCH, fmt_duration, log, memory_summary
 from common.manifest import atomic_write_text
 from common.layout import RunDir
-from common.verifier import compute_dtype
+from common.config import TrainConfig
 
 
 # ---------------------------------------------------------------- schedule, metrics
 
-def lr_scale(step: int, total: int, args) -> float:
+def lr_scale(step: int, total: int, cfg) -> float:
     """The share of each optimizer group's peak lr at `step`: linear warmup, then cosine or linear decay
     to --min-lr-ratio, or flat."""
-    warmup = args.warmup_steps if args.warmup_steps is not None else int(args.warmup_ratio * total)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * total)
     if step < warmup:
         return (step + 1) / warmup
-    if args.scheduler == "none":
+    if cfg.scheduler == "none":
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if args.scheduler == "cosine" else 1 - progress
-    return args.min_lr_ratio + (1 - args.min_lr_ratio) * shape
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.scheduler == "cosine" else 1 - progress
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 
 def orthogonalize_float32(grad, ns_coefficients, ns_steps: int, eps: float):
@@ -56,19 +56,19 @@ class Optimizers:
     decoder layer and AdamW over the rest (norms), split as speculators' trainer splits them. Every
     group keeps its peak lr, which the schedule scales."""
 
-    def __init__(self, model, args, on_gpu: bool):
+    def __init__(self, model, cfg, on_gpu: bool):
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.opts, rest = [], [p for _, p in trainable]
-        if args.optimizer == "muon":
+        if cfg.optimizer == "muon":
             from speculators.train.optimizers import split_named_params_for_muon
             muon, adamw = split_named_params_for_muon(model)
-            if not on_gpu and args.dtype == "float32":
+            if not on_gpu and cfg.dtype == "float32":
                 torch.optim._muon._zeropower_via_newtonschulz = orthogonalize_float32  # noqa: SLF001
-            self.opts.append(torch.optim.Muon([p for _, p in muon], lr=args.muon_lr or args.lr, momentum=0.95,
+            self.opts.append(torch.optim.Muon([p for _, p in muon], lr=cfg.muon_lr or cfg.lr, momentum=0.95,
                                               weight_decay=0.1, adjust_lr_fn="match_rms_adamw"))
             rest = [p for _, p in adamw]
         if rest:
-            self.opts.append(torch.optim.AdamW(rest, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
+            self.opts.append(torch.optim.AdamW(rest, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                                                fused=on_gpu))
         for g in self.groups:
             g["peak_lr"] = g["lr"]
@@ -156,24 +156,24 @@ def append_metrics(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def resume_settings(args, aux, verifier_hash: str, data_hash: str, vocab_hash: str, verifier_mlp: int | None) -> dict:
+def resume_settings(cfg, aux, verifier_hash: str, data_hash: str, vocab_hash: str, verifier_mlp: int | None) -> dict:
     """Everything that changes what a run computes, by the name a refusal shows: a resumed run must match its
     checkpoint in each. What is left out (the lr, epochs, --max-steps, weight decay, logging, dtype, workers)
     may change on resume, and takes effect."""
     return {"verifier": verifier_hash, "rows (--data-dir)": data_hash, "vocab mapping (d2t.npy)": vocab_hash,
-            "aux layers": aux, "--ttt-steps": args.ttt_steps, "--ttt-loss-decay": args.ttt_loss_decay,
-            "--loss": args.loss, "--pack-tokens": args.pack_tokens, "--grad-accum": args.grad_accum,
-            "--val-ratio": args.val_ratio, "--seed": args.seed, "--noise-std": args.noise_std,
-            "--norm-before-fc": args.norm_before_fc, "--norm-output": args.norm_output, "--optimizer": args.optimizer,
-            "--draft-layers": args.draft_layers, "--draft-intermediate-size": args.draft_intermediate_size or verifier_mlp,
-            "--scheduler": args.scheduler, "--warmup-steps": args.warmup_steps, "--warmup-ratio": args.warmup_ratio,
-            "--min-lr-ratio": args.min_lr_ratio, "--grad-clip": args.grad_clip}
+            "aux layers": aux, "--ttt-steps": cfg.ttt_steps, "--ttt-loss-decay": cfg.ttt_loss_decay,
+            "--loss": cfg.loss, "--pack-tokens": cfg.pack_tokens, "--grad-accum": cfg.grad_accum,
+            "--val-ratio": cfg.val_ratio, "--seed": cfg.seed, "--noise-std": cfg.noise_std,
+            "--norm-before-fc": cfg.norm_before_fc, "--norm-output": cfg.norm_output, "--optimizer": cfg.optimizer,
+            "--draft-layers": cfg.draft_layers, "--draft-intermediate-size": cfg.draft_intermediate_size or verifier_mlp,
+            "--scheduler": cfg.scheduler, "--warmup-steps": cfg.warmup_steps, "--warmup-ratio": cfg.warmup_ratio,
+            "--min-lr-ratio": cfg.min_lr_ratio, "--grad-clip": cfg.grad_clip}
 
 
 RENAMED = {"--max-seq-len": "--pack-tokens"}  # a setting's name in checkpoints written before its flag was renamed
 
 
-def check_resume(folder: str, ckpt: dict, settings: dict, args) -> None:
+def check_resume(folder: str, ckpt: dict, settings: dict, cfg: TrainConfig) -> None:
     """Refuse a resume that would compute another run than the checkpoint's, naming the setting; log the
     flags that changed and take effect."""
     if "settings" not in ckpt:
@@ -186,7 +186,7 @@ def check_resume(folder: str, ckpt: dict, settings: dict, args) -> None:
             raise UserError(f"{folder} was trained with {what}: a resumed run must compute the same run; "
                             f"{'pass the same value' if name[0] == '-' else 'restore it'}, or use a new --output-dir")
     old_args = ckpt.get("args", {})
-    changed = [f"--{k.replace('_', '-')} {old_args[k]} -> {v}" for k, v in sorted(vars(args).items())
+    changed = [f"--{k.replace('_', '-')} {old_args[k]} -> {v}" for k, v in sorted(asdict(cfg).items())
                if k in old_args and old_args[k] != v and k not in ("resume", "output_dir", "data_dir")]
     if changed:
         log.info(f"resumed with changed flags, in effect from here: {', '.join(changed)}")
@@ -206,45 +206,45 @@ FLEX, FLEX_BLOCK = "simple_flex_attention", 128  # flex attention's block mask n
 FLEX_FROM_TOKENS = 16384  # packs this long train with flex attention's block mask under --attn-impl auto
 
 
-def draft_attention(args, on_gpu: bool) -> str:
+def draft_attention(cfg, on_gpu: bool) -> str:
     """--attn-impl auto: sdpa with speculators' dense TTT mask for short packs (compiled, it beat flex attention at
     2K tokens), flex attention's block mask from FLEX_FROM_TOKENS on, compiled: faster and in less memory at long
     packs (docs/benchmarks.md, stage 04 at long context). Flex attention runs only
     compiled: eager, it falls back to a path that materializes every score."""
-    long_packs = args.pack_tokens >= FLEX_FROM_TOKENS
-    if args.attn_impl == FLEX and not on_gpu:
+    long_packs = cfg.pack_tokens >= FLEX_FROM_TOKENS
+    if cfg.attn_impl == FLEX and not on_gpu:
         raise UserError(f"--attn-impl {FLEX} trains only on a GPU (torch has no flex attention backward "
                         "on the CPU); use --attn-impl auto")
-    if args.attn_impl == FLEX and args.pack_tokens % FLEX_BLOCK:
+    if cfg.attn_impl == FLEX and cfg.pack_tokens % FLEX_BLOCK:
         raise UserError(f"--attn-impl {FLEX} needs --pack-tokens in whole blocks of {FLEX_BLOCK} tokens "
-                        f"(not {args.pack_tokens}): use {args.pack_tokens // FLEX_BLOCK * FLEX_BLOCK or FLEX_BLOCK}")
-    if args.attn_impl != "auto":
-        if args.attn_impl == FLEX and not args.compile:
+                        f"(not {cfg.pack_tokens}): use {cfg.pack_tokens // FLEX_BLOCK * FLEX_BLOCK or FLEX_BLOCK}")
+    if cfg.attn_impl != "auto":
+        if cfg.attn_impl == FLEX and not cfg.compile:
             log.warning("flex attention without --compile runs its unfused path, which holds every score: "
                         "slow, and out of memory on long packs")
-        return args.attn_impl
-    flex = long_packs and args.compile and on_gpu and args.pack_tokens % FLEX_BLOCK == 0
+        return cfg.attn_impl
+    flex = long_packs and cfg.compile and on_gpu and cfg.pack_tokens % FLEX_BLOCK == 0
     if long_packs and not flex:
-        log.info(f"{args.pack_tokens}-token packs with sdpa's dense TTT mask: with --compile on a GPU and --pack-tokens "
+        log.info(f"{cfg.pack_tokens}-token packs with sdpa's dense TTT mask: with --compile on a GPU and --pack-tokens "
                  f"in whole {FLEX_BLOCK}-token blocks, flex attention's block mask trains them instead (less memory, faster)")
     return FLEX if flex else "sdpa"
 
 
-def forward(model, batch: dict, args, loss_config, device, noise: bool):
+def forward(model, batch: dict, cfg, loss_config, device, noise: bool):
     """The draft's TTT forward on one packed batch: (loss, speculators' metrics)."""
     hs = batch["hidden_states"]
-    if noise and args.noise_std > 0:  # augmentation of the train split only
-        hs = hs + args.noise_std * torch.randn_like(hs)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
+    if noise and cfg.noise_std > 0:  # augmentation of the train split only
+        hs = hs + cfg.noise_std * torch.randn_like(hs)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
         _, loss, metrics = model(
             hidden_states=hs, input_ids=batch["input_ids"], document_ids=batch["document_ids"],
             loss_mask=batch["loss_mask"], position_ids=batch["position_ids"],
-            verifier_last_hidden_states=batch["verifier_last_hidden_states"], ttt_steps=args.ttt_steps,
-            ttt_step_loss_decay=args.ttt_loss_decay, loss_config=loss_config)
+            verifier_last_hidden_states=batch["verifier_last_hidden_states"], ttt_steps=cfg.ttt_steps,
+            ttt_step_loss_decay=cfg.ttt_loss_decay, loss_config=loss_config)
     return loss, metrics
 
 
-def backward_fitting(model, batch: dict, pieces: int, multiple: int, args, loss_config, device, params) -> tuple[dict, int]:
+def backward_fitting(model, batch: dict, pieces: int, multiple: int, cfg, loss_config, device, params) -> tuple[dict, int]:
     """Forward and backward of one packed batch, in `pieces` parts (each padded to a `multiple` of tokens);
     on out-of-memory, again in twice as many parts (cut at conversation boundaries, the same tokens and
     loss weights), until it fits. Returns the step's metrics and the number of parts that fit, which later
@@ -253,8 +253,8 @@ def backward_fitting(model, batch: dict, pieces: int, multiple: int, args, loss_
         try:
             metrics = {}
             for part, weight in split_pack(batch, pieces, multiple) if pieces > 1 else [(batch, 1.0)]:
-                loss, part_metrics = forward(model, part, args, loss_config, device, noise=True)
-                (loss * weight / args.grad_accum).backward()
+                loss, part_metrics = forward(model, part, cfg, loss_config, device, noise=True)
+                (loss * weight / cfg.grad_accum).backward()
                 add_metrics(metrics, part_metrics)
             return metrics, pieces
         except Exception as e:
@@ -272,11 +272,11 @@ def backward_fitting(model, batch: dict, pieces: int, multiple: int, args, loss_
         pieces *= 2
         log.warning(f"out of memory on a {batch['tokens']}-token pack ({error}); training each pack in {pieces} parts "
                     "from here on (cut at conversation boundaries, same tokens per step)"
-                    + ("; this optimizer step drops its earlier micro-batches" if args.grad_accum > 1 else ""))
+                    + ("; this optimizer step drops its earlier micro-batches" if cfg.grad_accum > 1 else ""))
 
 
 @torch.no_grad()
-def validate(model, packed, val_rows: list[int], lengths, args, loss_config, device, rank, world,
+def validate(model, packed, val_rows: list[int], lengths, cfg, loss_config, device, rank, world,
              fn=None) -> dict | None:
     """Loss, accuracy per position and the estimated acceptance length on the validation rows (through
     `fn`, the model's eager forward when it runs compiled)."""
@@ -289,66 +289,65 @@ def validate(model, packed, val_rows: list[int], lengths, args, loss_config, dev
     forward_fn = fn or getattr(model, "module", model)
     # every validation row once: packed as one process would, the packs dealt out to the ranks (the training
     # sampler balances ranks by dropping rows, and with fewer rows than ranks dropped them all)
-    batches = epoch_batches([lengths[i] for i in val_rows], args.pack_tokens, 0, 0, 0, 1)[rank::world]
+    batches = epoch_batches([lengths[i] for i in val_rows], cfg.pack_tokens, 0, 0, 0, 1)[rank::world]
     for batch in packed([[val_rows[i] for i in b] for b in batches]):
-        add_metrics(sums, forward(forward_fn, batch, args, loss_config, device, noise=False)[1])
+        add_metrics(sums, forward(forward_fn, batch, cfg, loss_config, device, noise=False)[1])
     model.train()
     if world > 1:  # every rank validated its share (none, with fewer rows than ranks): the sums of all
         shares = [None] * world
         torch.distributed.all_gather_object(shares, {k: float(v) for k, v in sums.items()})
         sums = {k: sum(share.get(k, 0.0) for share in shares) for share in shares for k in share}
-    return summarize(sums, args.ttt_steps)
+    return summarize(sums, cfg.ttt_steps)
 
 
-def train(args, verifier: str, text_config, verifier_hash: str) -> str:
+def train(cfg: TrainConfig, text_config, verifier_hash: str) -> str:
     # ------------------------------------------------ data, draft, optimizer
     rank, world, device = setup_distributed()
     on_gpu = device.type == "cuda"
-    args.dtype = args.dtype or compute_dtype(device.type)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(cfg.seed)
     hidden = text_config.hidden_size
-    files, lengths, aux, folders = collect_rows(args.data_dir, args.vocab_mapping_dir, verifier_hash, hidden)
-    train_rows, val_rows = split_rows(len(files), args.val_ratio, args.seed)
-    attn = draft_attention(args, on_gpu)
+    files, lengths, aux, folders = collect_rows(cfg.data_dir, cfg.vocab_mapping_dir, verifier_hash, hidden)
+    train_rows, val_rows = split_rows(len(files), cfg.val_ratio, cfg.seed)
+    attn = draft_attention(cfg, on_gpu)
     multiple = FLEX_BLOCK if attn == FLEX else 1  # the length a pack cut after out-of-memory is padded to
-    if args.compile and on_gpu:  # inductor's compile workers start while the draft is built (~3 s sooner to the first step)
+    if cfg.compile and on_gpu:  # inductor's compile workers start while the draft is built (~3 s sooner to the first step)
         from torch._inductor.async_compile import maybe_warm_pool
         maybe_warm_pool()
     t_build = time.time()
-    model = build_draft(verifier, aux, args.vocab_mapping_dir, args.ttt_steps, attn, args.trust_remote_code, device=device,
-                        norm_before_fc=args.norm_before_fc, norm_output=args.norm_output, num_layers=args.draft_layers,
-                        intermediate_size=args.draft_intermediate_size)
-    if args.dtype == "bfloat16":  # frozen verifier pieces in bf16 once, rather than an autocast copy of them every step
+    model = build_draft(cfg.verifier_path, aux, cfg.vocab_mapping_dir, cfg.ttt_steps, attn, cfg.trust_remote_code, device=device,
+                        norm_before_fc=cfg.norm_before_fc, norm_output=cfg.norm_output, num_layers=cfg.draft_layers,
+                        intermediate_size=cfg.draft_intermediate_size)
+    if cfg.dtype == "bfloat16":  # frozen verifier pieces in bf16 once, rather than an autocast copy of them every step
         for frozen in (model.embed_tokens, model.lm_head, model.verifier_lm_head, model.verifier_norm):
             frozen.to(torch.bfloat16)
     from speculators.losses import resolve_loss_config
-    loss_config = resolve_loss_config(args.loss, args.loss_implementation if on_gpu else "eager")
+    loss_config = resolve_loss_config(cfg.loss, cfg.loss_implementation if on_gpu else "eager")
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = Optimizers(model, args, on_gpu)
-    with open(os.path.join(args.vocab_mapping_dir, "d2t.npy"), "rb") as f:
+    optimizer = Optimizers(model, cfg, on_gpu)
+    with open(os.path.join(cfg.vocab_mapping_dir, "d2t.npy"), "rb") as f:
         vocab_hash = hashlib.sha256(f.read()).hexdigest()[:16]
-    settings = resume_settings(args, aux, verifier_hash, rows_fingerprint(folders), vocab_hash,
+    settings = resume_settings(cfg, aux, verifier_hash, rows_fingerprint(folders), vocab_hash,
                                getattr(text_config, "intermediate_size", None))
     if rank == 0:
         log.info(f"{len(files)} rows from {len(folders)} folder(s): {len(train_rows)} train, {len(val_rows)} val; "
                  f"aux layers {aux}; draft vocab {model.draft_vocab_size}; "
                  f"{sum(p.numel() for p in params) / 1e6:.1f}M trainable parameters; attention {attn}; "
-                 f"device {device} x {world}, {args.dtype}")
+                 f"device {device} x {world}, {cfg.dtype}")
         log.info(f"draft built in {time.time() - t_build:.1f}s; {time.time() - LAUNCH:.1f}s since launch")
-    dtype = getattr(torch, args.dtype)
-    packed = PackedBatches(files, lengths, len(aux), hidden, args.pack_tokens, device, dtype, args.num_workers)
+    dtype = getattr(torch, cfg.dtype)
+    packed = PackedBatches(files, lengths, len(aux), hidden, cfg.pack_tokens, device, dtype, cfg.num_workers)
     train_lengths = [lengths[i] for i in train_rows]
-    total_steps = args.max_steps or sum(
-        math.ceil(len(epoch_batches(train_lengths, args.pack_tokens, args.seed, e, rank, world)) / args.grad_accum)
-        for e in range(args.epochs))
-    metrics_path = RunDir(args.output_dir).metrics
+    total_steps = cfg.max_steps or sum(
+        math.ceil(len(epoch_batches(train_lengths, cfg.pack_tokens, cfg.seed, e, rank, world)) / cfg.grad_accum)
+        for e in range(cfg.epochs))
+    metrics_path = RunDir(cfg.output_dir).metrics
 
     # ------------------------------------------------ resume: weights, optimizer, position, data order, RNG
     pos = Position()
-    found = load_resume_state(args.output_dir) if args.resume else None
+    found = load_resume_state(cfg.output_dir) if cfg.resume else None
     if found:
         folder, ckpt = found
-        check_resume(folder, ckpt, settings, args)
+        check_resume(folder, ckpt, settings, cfg)
         model.load_state_dict(ckpt["model"], strict=False)
         optimizer.load_state_dict(ckpt["optimizer"])
         pos = Position(**{k: ckpt[k] for k in asdict(pos)})
@@ -356,25 +355,25 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         log.info(f"resumed from {os.path.realpath(folder)}: epoch {pos.epoch}, step {pos.step}")
         if rank == 0:
             keep_metrics_until(metrics_path, pos.step)
-    elif args.resume:
-        log.info(f"--resume: no checkpoint in {args.output_dir}; starting fresh")
+    elif cfg.resume:
+        log.info(f"--resume: no checkpoint in {cfg.output_dir}; starting fresh")
         if rank == 0:
             keep_metrics_until(metrics_path, 0)  # what a run killed before its first checkpoint logged goes
-    if pos.epoch >= args.epochs or (args.max_steps and pos.step >= args.max_steps):
-        return f"already finished at step {pos.step} (epoch {pos.epoch}): nothing to train; checkpoints in {args.output_dir}/checkpoints"
+    if pos.epoch >= cfg.epochs or (cfg.max_steps and pos.step >= cfg.max_steps):
+        return f"already finished at step {pos.step} (epoch {pos.epoch}): nothing to train; checkpoints in {cfg.output_dir}/checkpoints"
 
     raw_model = model
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
     # --compile: the forward is compiled on a thread beside eager steps and swapped in when ready
-    compiler = Compiler(raw_model, lambda fn, batch: forward(fn, batch, args, loss_config, device, noise=False)[0],
-                        wait=args.compile_wait or world > 1, announce=rank == 0) if args.compile else None
+    compiler = Compiler(raw_model, lambda fn, batch: forward(fn, batch, cfg, loss_config, device, noise=False)[0],
+                        wait=cfg.compile_wait or world > 1, announce=rank == 0) if cfg.compile else None
 
     def evaluate(tag: str, epoch_no: int) -> dict | None:
         """Validation (eager: a compiled no-grad graph would be a second compile for a few batches), logged."""
         if compiler:  # the compile thread traces in train mode; after the last step it is only waited for
             compiler.finish(pos.step, last=pos.step >= total_steps)
-        val = validate(model, packed, val_rows, lengths, args, loss_config, device, rank, world,
+        val = validate(model, packed, val_rows, lengths, cfg, loss_config, device, rank, world,
                        fn=compiler.eager if compiler else None)
         if val and rank == 0:
             log.info(f"val {tag}: loss {val['loss']:.4f} acc {'/'.join(f'{a:.3f}' for a in val['acc_pos'])} "
@@ -385,14 +384,14 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     def checkpoint(name: str, val: dict | None) -> None:
         """`best` is the checkpoint with the highest estimated acceptance length (what serving pays for),
         or with --best-by loss the lowest validation loss."""
-        score = -math.inf if val is None else val["est_accept_len"] if args.best_by == "accept" else -val["loss"]
+        score = -math.inf if val is None else val["est_accept_len"] if cfg.best_by == "accept" else -val["loss"]
         is_best = score > pos.best_score
         pos.best_score = max(pos.best_score, score)  # on every rank: validation is reduced, the score the same
         if rank != 0:
             return
         state = {**asdict(pos), "settings": settings, "rng": rng_state(), "val": val, "aux_layers": aux,
-                 "verifier": verifier, "args": vars(args)}
-        path = save_checkpoint(args.output_dir, name, model, optimizer, state, is_best)
+                 "verifier": cfg.verifier_path, "args": asdict(cfg)}
+        path = save_checkpoint(cfg.output_dir, name, model, optimizer, state, is_best)
         log.info(f"saved {path}{' (best so far)' if is_best else ''}")
 
     # ------------------------------------------------ the loop
@@ -404,20 +403,20 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
     if rank == 0 and compiler:
         log.info("torch.compile starts on the first batch" + (
             "; the first step waits for it" if compiler.wait else ", beside eager steps until it is ready"))
-    while pos.epoch < args.epochs and not reached_max_steps:
-        batches = epoch_batches(train_lengths, args.pack_tokens, args.seed, pos.epoch, rank, world)
-        micro = batches[pos.step_in_epoch * args.grad_accum:]  # a resumed epoch skips the batches it trained
+    while pos.epoch < cfg.epochs and not reached_max_steps:
+        batches = epoch_batches(train_lengths, cfg.pack_tokens, cfg.seed, pos.epoch, rank, world)
+        micro = batches[pos.step_in_epoch * cfg.grad_accum:]  # a resumed epoch skips the batches it trained
         for k, batch in enumerate(packed([[train_rows[i] for i in b] for b in micro])):
-            optimizer.set_lr_scale(lr_scale(pos.step, total_steps, args))
+            optimizer.set_lr_scale(lr_scale(pos.step, total_steps, cfg))
             if compiler:  # swaps the compiled forward into the model when it is ready
                 compiler.start(batch, pos.step)
                 compiler.finish(pos.step, block=False)
-            metrics, pieces = backward_fitting(model, batch, pieces, multiple, args, loss_config, device, params)
+            metrics, pieces = backward_fitting(model, batch, pieces, multiple, cfg, loss_config, device, params)
             add_metrics(sums, metrics)
             tokens_since += batch["tokens"] * world
-            if (k + 1) % args.grad_accum and k + 1 < len(micro):
+            if (k + 1) % cfg.grad_accum and k + 1 < len(micro):
                 continue  # gradient accumulation
-            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             optimizer.step()
             pos.step += 1
             pos.step_in_epoch += 1
@@ -425,31 +424,31 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
                 log.info(f"first step done {time.time() - LAUNCH:.1f}s after launch, {time.time() - t_loop:.1f}s "
                          f"after the loop started")
                 first_step_logged = True
-            if pos.step % args.log_every == 0 or pos.step == total_steps:
+            if pos.step % cfg.log_every == 0 or pos.step == total_steps:
                 if on_gpu:  # the interval ends when its last step's work has run, not when it was queued
                     torch.cuda.synchronize()
                 dt = time.time() - t_last
-                s = summarize(sums, args.ttt_steps)
+                s = summarize(sums, cfg.ttt_steps)
                 pos.tokens += tokens_since
                 lr = optimizer.groups[-1]["lr"]
                 if rank == 0:
                     log.info(f"step {pos.step}/{total_steps} epoch {pos.epoch + 1} loss {s['loss']:.4f} acc "
-                             f"{'/'.join(f'{a:.3f}' for a in s['acc_pos'])} lr {lr:.2e} {args.log_every / dt:.2f} "
+                             f"{'/'.join(f'{a:.3f}' for a in s['acc_pos'])} lr {lr:.2e} {cfg.log_every / dt:.2f} "
                              f"steps/s {tokens_since / dt:,.0f} tok/s eta "
-                             f"{fmt_duration((total_steps - pos.step) * dt / args.log_every)} {memory_summary()}")
+                             f"{fmt_duration((total_steps - pos.step) * dt / cfg.log_every)} {memory_summary()}")
                     append_metrics(metrics_path, {"split": "train", "step": pos.step, "epoch": pos.epoch + 1, **s,
                                                   "lr": lr, "tokens_per_s": tokens_since / dt})
                 t_last, tokens_since, sums = time.time(), 0, {}
-            val = evaluate(f"step {pos.step}", pos.epoch + 1) if args.val_every and pos.step % args.val_every == 0 else None
+            val = evaluate(f"step {pos.step}", pos.epoch + 1) if cfg.val_every and pos.step % cfg.val_every == 0 else None
             if stop_signal:
                 checkpoint(f"step_{pos.step}", None)
                 resume = shlex.join([sys.executable, *sys.argv] + ([] if "--resume" in sys.argv else ["--resume"]))
                 raise Stopped(f"stopped by {signal.Signals(stop_signal[0]).name} after step {pos.step}, checkpoint "
                               f"saved; resume with: {resume}", stop_signal[0])
-            if args.max_steps and pos.step >= args.max_steps:
+            if cfg.max_steps and pos.step >= cfg.max_steps:
                 reached_max_steps = True
                 break
-            if args.save_every and pos.step % args.save_every == 0:
+            if cfg.save_every and pos.step % cfg.save_every == 0:
                 checkpoint(f"step_{pos.step}", val)
         else:
             pos.epoch, pos.step_in_epoch = pos.epoch + 1, 0
@@ -460,7 +459,7 @@ def train(args, verifier: str, text_config, verifier_hash: str) -> str:
         compiler.finish(pos.step, last=True)
     if world > 1:
         torch.distributed.destroy_process_group()
-    best = (f"best est. accept len {pos.best_score:.3f}" if args.best_by == "accept"
+    best = (f"best est. accept len {pos.best_score:.3f}" if cfg.best_by == "accept"
             else f"best val loss {-pos.best_score:.4f}")
     return (f"trained {pos.step} steps; {best if val_rows else 'no validation split'}; "
-            f"checkpoints in {args.output_dir}/checkpoints")
+            f"checkpoints in {cfg.output_dir}/checkpoints")

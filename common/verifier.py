@@ -71,23 +71,29 @@ def ensure_default_verifier() -> str:
         return target
 
 
-def resolve_verifier(path: str, args=None) -> str:
-    """The verifier folder (the embedded default for 'default'). With `args`, --trust-remote-code is kept
-    only where transformers has no native class for the model type: a hub's own code can be older than
-    transformers' (Kimi-K2.5's tokenizer fails to import, its remote MoE names weights otherwise)."""
+def resolve_verifier(path: str) -> str:
+    """The verifier folder (the embedded default for 'default')."""
     if path in (None, "", "default"):
         return ensure_default_verifier()
     if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
         raise UserError(f"--verifier-path {path}: not a Hugging Face model folder (no config.json)")
-    if args is not None and args.trust_remote_code:
-        from transformers import CONFIG_MAPPING
-        with open(os.path.join(path, "config.json")) as f:
-            model_type = json.load(f).get("model_type")
-        if model_type in CONFIG_MAPPING:
-            log.info(f"--trust-remote-code: transformers has native classes for '{model_type}'; the verifier's own "
-                     "code is not used")
-            args.trust_remote_code = False
     return path
+
+
+def remote_code_needed(path: str, trust_remote_code: bool) -> bool:
+    """--trust-remote-code as it takes effect: kept only where transformers has no native class for the model
+    type (a hub's own code can be older than transformers': Kimi-K2.5's tokenizer fails to import, its remote MoE
+    names weights otherwise)."""
+    if not trust_remote_code:
+        return False
+    from transformers import CONFIG_MAPPING
+    with open(os.path.join(path, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type in CONFIG_MAPPING:
+        log.info(f"--trust-remote-code: transformers has native classes for '{model_type}'; the verifier's own "
+                 "code is not used")
+        return False
+    return True
 
 
 def load_text_config(path: str, trust_remote_code: bool = False):
@@ -223,12 +229,14 @@ def verifier_fingerprint(text_config) -> str:
     return sha256_text(json.dumps({k: getattr(text_config, k, None) for k in keys}, sort_keys=True))
 
 
-def compute_dtype(device: str) -> str:
-    """Default compute dtype of the verifier (03) and the draft (04): bfloat16 on a GPU and on a CPU that
-    multiplies bfloat16 natively (AMX or AVX512-BF16: faster there, docs/benchmarks.md), float32 on other CPUs,
-    where bfloat16 is emulated."""
+def compute_dtype(device: str, generating: bool = False) -> str:
+    """Every stage's default compute dtype: bfloat16 on a GPU; on a CPU, bfloat16 where it multiplies natively (AMX
+    or AVX512-BF16: faster there, docs/benchmarks.md) and float32 where it is emulated, and float32 for text the
+    verifier generates (01's replies, 05's answers), so that a CPU run reproduces the exact greedy text."""
     if device != "cpu":
         return "bfloat16"
+    if generating:
+        return "float32"
     import torch
     native = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     return "bfloat16" if any(getattr(torch.cpu, name, lambda: False)() for name in native) else "float32"

@@ -1,11 +1,13 @@
 """The fast tier: pure pieces of the pipeline in milliseconds, no model, no files (`pytest tests/unit`)."""
 import argparse
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from common.cli import device, number, parse_rows
+from common.cli import parse_rows
+from common.config import EvalConfig, RegenConfig, TrainConfig, device, number
 from common.errors import UserError
 from common.extract import plan_batches
 from common.loader import epoch_batches, split_rows
@@ -133,8 +135,8 @@ def test_a_checkpoint_saved_under_the_old_flag_name_is_compared_under_the_new():
     from common.train import check_resume
     old = {"settings": {"--max-seq-len": 512}, "args": {}}
     with pytest.raises(UserError, match=r"--pack-tokens 512 \(this run: 1024\)"):
-        check_resume("step_2", old, {"--pack-tokens": 1024}, SimpleNamespace())
-    check_resume("step_2", old, {"--pack-tokens": 512}, SimpleNamespace())
+        check_resume("step_2", old, {"--pack-tokens": 1024}, TrainConfig())
+    check_resume("step_2", old, {"--pack-tokens": 512}, TrainConfig())
 
 
 def test_the_layout_finds_a_data_dir_from_any_of_its_folders():
@@ -180,3 +182,39 @@ def test_the_stage_registry_names_every_script_once():
     scripts = {os.path.basename(p) for p in glob.glob(os.path.join(root, "0*.py"))} | {"export_speculators_data.py"}
     assert {s.script for s in STAGES} == scripts and len(set(SECTIONS.values())) == len(STAGES)
     assert BY_MANIFEST["hidden_states"].script == "03_extract_hidden_states.py"
+
+
+def test_a_config_built_in_code_meets_the_flags_checks():
+    assert TrainConfig().optimizer == "muon" and TrainConfig().norm_before_fc  # the measured recipe is the default
+    with pytest.raises(UserError, match=r"^--lr 0.0: must be a positive number"):
+        TrainConfig(lr=0.0)
+    with pytest.raises(UserError, match=r"^--optimizer sgd: choose from adamw, muon"):
+        TrainConfig(optimizer="sgd")
+    with pytest.raises(UserError, match="--muon-lr sets the Muon group's lr"):
+        TrainConfig(optimizer="adamw", muon_lr=1e-3)
+    with pytest.raises(UserError, match="--compile-wait changes how --compile compiles"):
+        TrainConfig(compile_wait=True)
+    with pytest.raises(UserError, match=r"^--top-p 0.0: must be in \(0, 1\]"):
+        RegenConfig(top_p=0.0)
+    with pytest.raises(UserError, match=r"^--device gpu: use cuda"):
+        RegenConfig(device="gpu")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TrainConfig().lr = 1.0  # frozen: a setting is resolved once, never changed on the way
+
+
+def test_each_config_field_is_a_flag_with_its_default_and_help():
+    for script, cls in (("04_train.py", TrainConfig), ("05_evaluate.py", EvalConfig), ("01_prepare_dataset.py", RegenConfig)):
+        parser = script_parser(script)
+        actions = {a.dest: a for a in parser._actions}  # noqa: SLF001 - argparse lists its flags nowhere public
+        for f in dataclasses.fields(cls):
+            if "help" in f.metadata:
+                default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+                assert actions[f.name].default == default and actions[f.name].help == f.metadata["help"], (script, f.name)
+    assert EvalConfig(max_prompt_len=100, max_new_tokens=20).max_model_len == 100 + 20 + 3 + 16
+
+
+def test_one_compute_dtype_rule():
+    from common.verifier import compute_dtype
+    assert compute_dtype("cuda") == compute_dtype("cuda", generating=True) == "bfloat16"
+    assert compute_dtype("cpu", generating=True) == "float32"  # generated text reproduces float32's greedy text
+    assert compute_dtype("cpu") in ("bfloat16", "float32")  # bf16 only where the CPU multiplies it natively
