@@ -14,7 +14,8 @@ from common.cli import add_verifier_flags, run_stage, stage_parser
 from common.config import TrainConfig, add_options, from_args
 from common.manifest import output_lock
 from common.layout import DataDir, RunDir
-from common.verifier import compute_dtype, load_text_config, remote_code_needed, resolve_verifier, verifier_fingerprint
+from common.verifier import (compute_dtype, load_text_config, load_tokenizer, remote_code_needed, resolve_verifier,
+                             verifier_fingerprint)
 
 STAGE = "04_train"
 
@@ -32,6 +33,17 @@ def default_vocab_dir(data_dirs: list[str]) -> str:
     if os.path.isdir(vocab):
         return vocab
     raise UserError(f"no vocab_mapping folder near {data_dirs[0]}; pass --vocab-mapping-dir or run 02_build_vocab_mapping.py")
+
+
+def states_source(cfg: TrainConfig, text_config, verifier_hash: str):
+    """The rows and their states, from where --states-from says (common/sources.py)."""
+    from common.sources import ColocatedStates, DiskStates
+    if cfg.states_from == "disk":
+        return DiskStates(cfg.data_dir, cfg.vocab_mapping_dir, verifier_hash, text_config.hidden_size)
+    tokenizer = load_tokenizer(cfg.verifier_path, cfg.trust_remote_code)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # as 03 pads
+    return ColocatedStates(cfg.data_dir, cfg.vocab_mapping_dir, cfg.verifier_path, text_config, cfg.trust_remote_code,
+                           pad_id)
 
 
 def run(args):
@@ -64,8 +76,9 @@ def run(args):
         if not cfg.resume and os.path.exists(run_dir.metrics) and rank0:  # rank 0 alone writes the metrics
             os.remove(run_dir.metrics)
         text_config = load_text_config(verifier, cfg.trust_remote_code)
+        verifier_hash = verifier_fingerprint(text_config)
         from common.train import train
-        summary = train(cfg, text_config, verifier_fingerprint(text_config))
+        summary = train(cfg, states_source(cfg, text_config, verifier_hash), text_config, verifier_hash)
         if rank0:
             summary += f"; plot {plot_training(run_dir.metrics, run_dir.plot)}"
         return summary

@@ -165,6 +165,10 @@ class TrainConfig:
     num_workers: int = option(4, "threads reading rows into pinned buffers ahead of the step (0 counts as 1)",
                               check=number(int, 0))
     seed: int = option(0, "seed of the split, the data order and the noise", check=int)
+    states_from: str = option("disk", "where the hidden states come from: disk (03's files under --data-dir) or "
+                                      "colocated (the verifier in this process computes each pack's states from 01's "
+                                      "rows under --data-dir as it trains: no states on disk)",
+                              choices=["disk", "colocated"])
     resume: bool = option(False, "continue from the newest checkpoint in <output-dir>/checkpoints that loads "
                                  "(`latest`, or with a warning the one before); settings that change the run must match")
     plot: bool = option(False, "only redraw <output-dir>/training.png from metrics.jsonl")

@@ -20,6 +20,16 @@ from common.manifest import extracted_from, find_stage_dirs, read_manifest, sha2
 from common.rows import SAFETENSORS_DTYPES, SCALES, check_row_file, read_prefix, row_file, safetensors_header
 
 
+def pack_layout(takes: list[int], starts, out: np.ndarray) -> None:
+    """Where each shifted token of a pack comes from: shifted token k of row j pairs the aux states at raw position
+    start_j + k with the token, loss mask and last-layer state at start_j + k + 1 (out[0]); its position (out[1])
+    and its row within the pack (out[2])."""
+    if takes:
+        out[0] = np.concatenate([np.arange(s, s + t) for s, t in zip(starts, takes)])
+        out[1] = np.concatenate([np.arange(1, t + 1) for t in takes])
+        out[2] = np.repeat(np.arange(len(takes)), takes)
+
+
 class PackedBatches:
     """Packed training sequences of extracted rows, in speculators' layout (its shift_batch, then
     its CollateFn: rows shifted by one token, concatenated, cut and zero-padded to max_len).
@@ -78,15 +88,12 @@ class PackedBatches:
         list(self.pool.map(read, zip(plan, starts)))
         takes = [take for _, take in plan]
         n = sum(takes)
-        # Shifted token k of row j pairs aux states at raw position start_j + k with the token,
-        # loss mask and last-layer state at start_j + k + 1. Written into the pinned buffer: a
-        # copy from pageable memory would make the host wait for the GPU every step.
-        if plan:
-            layout = buf["layout"][:, :n].numpy()
-            layout[0] = np.concatenate([np.arange(s, s + t) for s, t in zip(starts, takes)])
-            layout[1] = np.concatenate([np.arange(1, t + 1) for t in takes])
-            layout[2] = np.repeat(np.arange(len(takes)), takes)
+        # written into the pinned buffer: a copy from pageable memory would make the host wait for the GPU every step
+        pack_layout(takes, starts, buf["layout"][:, :n].numpy())
         return buf, int(starts[-1]), n
+
+    def _recycle(self, buf) -> None:
+        self.free.put(buf)
 
     def _assemble(self, buf, raw: int, n: int) -> dict:
         dev, L = self.device, self.max_len
@@ -130,7 +137,7 @@ class PackedBatches:
                 if isinstance(item, BaseException):
                     raise item
                 batch = self._assemble(*item)
-                self.free.put(item[0])
+                self._recycle(item[0])
                 yield batch
         finally:  # stopped early: let the producer finish, and its buffers return to the ring
             stop.set()
@@ -140,7 +147,7 @@ class PackedBatches:
                 except queue.Empty:
                     continue
                 if isinstance(item, tuple):
-                    self.free.put(item[0])
+                    self._recycle(item[0])
 
 
 def split_pack(batch: dict, pieces: int, multiple: int = 1) -> list[tuple[dict, float]]:
@@ -173,23 +180,29 @@ def collect_rows(data_dirs, vocab_dir: str, verifier_hash: str, hidden_size: int
         if m["hidden_size"] != hidden_size or m["inputs"]["verifier_hash"] != verifier_hash:
             raise UserError(f"{folder} holds states of another verifier (hidden size {m['hidden_size']}, "
                             f"{m['num_hidden_layers']} layers) than --verifier-path; rerun 03_extract_hidden_states.py")
-    vm = read_manifest(vocab_dir, "vocab_mapping")
-    tok_hashes = {m["inputs"]["tokenizer_hash"] for m in manifests}
-    if tok_hashes != {vm["inputs"]["tokenizer_hash"]}:
-        raise UserError(f"{vocab_dir} was built for another tokenizer than the hidden states; rerun 02_build_vocab_mapping.py")
-    built_from = {os.path.basename(os.path.normpath(f)): h for f, h in vm["inputs"].get("prepared", {}).items()}
+    prepared = [extracted_from(folder, m) for folder, m in zip(folders, manifests)]
+    check_vocab_mapping(vocab_dir, {p: (m["inputs"]["prepared_manifest_hash"], m["inputs"]["tokenizer_hash"])
+                                    for p, m in zip(prepared, manifests)}, "the hidden states")
     files, lengths = [], []
-    for folder, m in zip(folders, manifests):
-        prepared = extracted_from(folder, m)
-        extracted = m["inputs"]["prepared_manifest_hash"]
-        if built_from.get(os.path.basename(prepared), extracted) != extracted:
-            raise UserError(f"{vocab_dir} was built from other rows than {prepared} holds now (01 was rerun since): "
-                            "its draft vocabulary is not theirs; rerun 02_build_vocab_mapping.py")
+    for folder, prepared in zip(folders, prepared):
         for i, n in enumerate(load_prepared(prepared)["seq_len"]):
             check_row_file(row_file(folder, i), n, len(aux) + 1, hidden_size)
             files.append(row_file(folder, i))
             lengths.append(n - 1)  # after the one-token shift
     return files, lengths, aux, folders
+
+
+def check_vocab_mapping(vocab_dir: str, prepared: dict, what: str) -> None:
+    """The vocab mapping was built for the tokenizer and the rows a run trains on ({prepared folder: (its rows'
+    hash, its tokenizer's hash)}), or one line saying to rerun 02."""
+    vm = read_manifest(vocab_dir, "vocab_mapping")
+    if {tok for _, tok in prepared.values()} != {vm["inputs"]["tokenizer_hash"]}:
+        raise UserError(f"{vocab_dir} was built for another tokenizer than {what}; rerun 02_build_vocab_mapping.py")
+    built_from = {os.path.basename(os.path.normpath(f)): h for f, h in vm["inputs"].get("prepared", {}).items()}
+    for folder, (rows_hash, _) in prepared.items():
+        if built_from.get(os.path.basename(os.path.normpath(folder)), rows_hash) != rows_hash:
+            raise UserError(f"{vocab_dir} was built from other rows than {folder} holds now (01 was rerun since): "
+                            "its draft vocabulary is not theirs; rerun 02_build_vocab_mapping.py")
 
 
 def rows_fingerprint(folders: list[str]) -> str:

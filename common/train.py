@@ -16,7 +16,7 @@ from common.checkpoint import load_resume_state, rng_state, save_checkpoint, set
 from common.errors import Stopped, UserError, catch_stop_signals, is_oom
 from common.compiler import Compiler
 from common.draft import build_draft
-from common.loader import PackedBatches, collect_rows, epoch_batches, rows_fingerprint, split_pack, split_rows
+from common.loader import epoch_batches, split_pack, split_rows
 from common.log import LAUNCH, fmt_duration, log, memory_summary
 from common.manifest import atomic_write_text
 from common.layout import RunDir
@@ -192,6 +192,18 @@ def check_resume(folder: str, ckpt: dict, settings: dict, cfg: TrainConfig) -> N
         log.info(f"resumed with changed flags, in effect from here: {', '.join(changed)}")
 
 
+def timed(batches, waited: list):
+    """The batches, adding to waited[0] the seconds spent waiting for each (the source's share of the step)."""
+    it = iter(batches)
+    while True:
+        start = time.perf_counter()
+        batch = next(it, None)
+        waited[0] += time.perf_counter() - start
+        if batch is None:
+            return
+        yield batch
+
+
 @dataclass
 class Position:
     """Where a run is: what a checkpoint saves besides the weights, and --resume restores."""
@@ -300,14 +312,14 @@ def validate(model, packed, val_rows: list[int], lengths, cfg, loss_config, devi
     return summarize(sums, cfg.ttt_steps)
 
 
-def train(cfg: TrainConfig, text_config, verifier_hash: str) -> str:
+def train(cfg: TrainConfig, source, text_config, verifier_hash: str) -> str:
+    """Train the draft on the rows and states of `source` (common/sources.py); the summary line."""
     # ------------------------------------------------ data, draft, optimizer
     rank, world, device = setup_distributed()
     on_gpu = device.type == "cuda"
     torch.manual_seed(cfg.seed)
-    hidden = text_config.hidden_size
-    files, lengths, aux, folders = collect_rows(cfg.data_dir, cfg.vocab_mapping_dir, verifier_hash, hidden)
-    train_rows, val_rows = split_rows(len(files), cfg.val_ratio, cfg.seed)
+    lengths, aux = source.lengths, source.aux
+    train_rows, val_rows = split_rows(len(lengths), cfg.val_ratio, cfg.seed)
     attn = draft_attention(cfg, on_gpu)
     multiple = FLEX_BLOCK if attn == FLEX else 1  # the length a pack cut after out-of-memory is padded to
     if cfg.compile and on_gpu:  # inductor's compile workers start while the draft is built (~3 s sooner to the first step)
@@ -326,16 +338,17 @@ def train(cfg: TrainConfig, text_config, verifier_hash: str) -> str:
     optimizer = Optimizers(model, cfg, on_gpu)
     with open(os.path.join(cfg.vocab_mapping_dir, "d2t.npy"), "rb") as f:
         vocab_hash = hashlib.sha256(f.read()).hexdigest()[:16]
-    settings = resume_settings(cfg, aux, verifier_hash, rows_fingerprint(folders), vocab_hash,
+    settings = resume_settings(cfg, aux, verifier_hash, source.fingerprint, vocab_hash,
                                getattr(text_config, "intermediate_size", None))
     if rank == 0:
-        log.info(f"{len(files)} rows from {len(folders)} folder(s): {len(train_rows)} train, {len(val_rows)} val; "
+        log.info(f"{len(lengths)} rows from {len(source.folders)} folder(s), states from {source.name}: "
+                 f"{len(train_rows)} train, {len(val_rows)} val; "
                  f"aux layers {aux}; draft vocab {model.draft_vocab_size}; "
                  f"{sum(p.numel() for p in params) / 1e6:.1f}M trainable parameters; attention {attn}; "
                  f"device {device} x {world}, {cfg.dtype}")
         log.info(f"draft built in {time.time() - t_build:.1f}s; {time.time() - LAUNCH:.1f}s since launch")
     dtype = getattr(torch, cfg.dtype)
-    packed = PackedBatches(files, lengths, len(aux), hidden, cfg.pack_tokens, device, dtype, cfg.num_workers)
+    packed = source.packed(cfg.pack_tokens, device, dtype, cfg.num_workers)
     train_lengths = [lengths[i] for i in train_rows]
     total_steps = cfg.max_steps or sum(
         math.ceil(len(epoch_batches(train_lengths, cfg.pack_tokens, cfg.seed, e, rank, world)) / cfg.grad_accum)
@@ -399,6 +412,7 @@ def train(cfg: TrainConfig, text_config, verifier_hash: str) -> str:
     model.train()
     t_loop = t_last = time.time()
     tokens_since, sums, val, reached_max_steps, first_step_logged = 0, {}, None, False, False
+    waited = [0.0]  # seconds the loop waited for the source's next pack, since the last log line
     pieces = 1  # parts each packed batch is trained in: more after an out-of-memory step
     if rank == 0 and compiler:
         log.info("torch.compile starts on the first batch" + (
@@ -406,7 +420,7 @@ def train(cfg: TrainConfig, text_config, verifier_hash: str) -> str:
     while pos.epoch < cfg.epochs and not reached_max_steps:
         batches = epoch_batches(train_lengths, cfg.pack_tokens, cfg.seed, pos.epoch, rank, world)
         micro = batches[pos.step_in_epoch * cfg.grad_accum:]  # a resumed epoch skips the batches it trained
-        for k, batch in enumerate(packed([[train_rows[i] for i in b] for b in micro])):
+        for k, batch in enumerate(timed(packed([[train_rows[i] for i in b] for b in micro]), waited)):
             optimizer.set_lr_scale(lr_scale(pos.step, total_steps, cfg))
             if compiler:  # swaps the compiled forward into the model when it is ready
                 compiler.start(batch, pos.step)
@@ -434,11 +448,12 @@ def train(cfg: TrainConfig, text_config, verifier_hash: str) -> str:
                 if rank == 0:
                     log.info(f"step {pos.step}/{total_steps} epoch {pos.epoch + 1} loss {s['loss']:.4f} acc "
                              f"{'/'.join(f'{a:.3f}' for a in s['acc_pos'])} lr {lr:.2e} {cfg.log_every / dt:.2f} "
-                             f"steps/s {tokens_since / dt:,.0f} tok/s eta "
+                             f"steps/s {tokens_since / dt:,.0f} tok/s waited for states {waited[0] / dt:.0%} eta "
                              f"{fmt_duration((total_steps - pos.step) * dt / cfg.log_every)} {memory_summary()}")
                     append_metrics(metrics_path, {"split": "train", "step": pos.step, "epoch": pos.epoch + 1, **s,
-                                                  "lr": lr, "tokens_per_s": tokens_since / dt})
-                t_last, tokens_since, sums = time.time(), 0, {}
+                                                  "lr": lr, "tokens_per_s": tokens_since / dt,
+                                                  "states_wait_share": waited[0] / dt})
+                t_last, tokens_since, sums, waited[0] = time.time(), 0, {}, 0.0
             val = evaluate(f"step {pos.step}", pos.epoch + 1) if cfg.val_every and pos.step % cfg.val_every == 0 else None
             if stop_signal:
                 checkpoint(f"step_{pos.step}", None)

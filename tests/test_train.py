@@ -369,3 +369,26 @@ def test_muon_float32_orthogonalization_is_torchs_within_bfloat16():
         torchs = muon._zeropower_via_newtonschulz(grad, coefficients, 5, 1e-7).float()  # noqa: SLF001
         assert ours.dtype == torch.float32 and ours.shape == grad.shape
         assert (ours - torchs).abs().max() < 0.03 * torchs.abs().max()
+
+
+def test_colocated_states_train_what_disk_states_train_and_resume(tmp_path, data_dir):
+    """--states-from colocated (the verifier in the training process computes each pack's states from 01's rows)
+    gives the losses of 03's files on the same rows and seed (float32: the fixture's 03 computed in float32 and
+    stored bf16, as the colocated path rounds them), says so in the log and run.json, reports the share of time the
+    loop waited for states, and resumes: 3 steps, then --resume to 6, are the disk run's 6 steps."""
+    common = ["--data-dir", data_dir, "--log-every", 1, "--val-ratio", 0.1, "--max-seq-len", 512, "--lr", 1e-3,
+              "--dtype", "float32", "--optimizer", "adamw", "--noise-std", 0, "--num-workers", 1,
+              "--scheduler", "none", "--warmup-steps", 0]  # a flat lr: --max-steps 3 then 6 is one schedule
+    stage("04_train.py", *common, "--output-dir", tmp_path / "disk", "--max-steps", 6)
+    proc = stage("04_train.py", *common, "--output-dir", tmp_path / "colocated", "--max-steps", 3,
+                 "--states-from", "colocated")
+    assert "states from colocated" in proc.stdout and re.search(r"waited for states \d+%", proc.stdout)
+    stage("04_train.py", *common, "--output-dir", tmp_path / "colocated", "--max-steps", 6, "--states-from",
+          "colocated", "--resume")
+    disk, colocated = records(tmp_path / "disk", "train"), records(tmp_path / "colocated", "train")
+    assert [r["step"] for r in colocated] == list(range(1, 7))
+    assert [r["loss"] for r in colocated] == pytest.approx([r["loss"] for r in disk], rel=1e-5)
+    assert records(tmp_path / "colocated", "val")[-1]["loss"] == pytest.approx(records(tmp_path / "disk", "val")[-1]["loss"],
+                                                                               rel=1e-5)
+    assert all(0 <= r["states_wait_share"] <= 1 for r in colocated)
+    assert read_json(tmp_path / "colocated" / "checkpoints" / "latest" / "run.json")["args"]["states_from"] == "colocated"
