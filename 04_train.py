@@ -37,13 +37,15 @@ def default_vocab_dir(data_dirs: list[str]) -> str:
 
 def states_source(cfg: TrainConfig, text_config, verifier_hash: str):
     """The rows and their states, from where --states-from says (common/sources.py)."""
-    from common.sources import ColocatedStates, DiskStates
+    from common.sources import ColocatedStates, DiskStates, ServerStates
     if cfg.states_from == "disk":
         return DiskStates(cfg.data_dir, cfg.vocab_mapping_dir, verifier_hash, text_config.hidden_size)
     tokenizer = load_tokenizer(cfg.verifier_path, cfg.trust_remote_code)
+    if cfg.states_from == "server":
+        return ServerStates(cfg.data_dir, cfg.vocab_mapping_dir, text_config, cfg.layers, cfg.states_url, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # as 03 pads
-    return ColocatedStates(cfg.data_dir, cfg.vocab_mapping_dir, cfg.verifier_path, text_config, cfg.trust_remote_code,
-                           pad_id)
+    return ColocatedStates(cfg.data_dir, cfg.vocab_mapping_dir, text_config, cfg.layers, cfg.verifier_path,
+                           cfg.trust_remote_code, pad_id)
 
 
 def run(args):

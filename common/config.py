@@ -165,10 +165,15 @@ class TrainConfig:
     num_workers: int = option(4, "threads reading rows into pinned buffers ahead of the step (0 counts as 1)",
                               check=number(int, 0))
     seed: int = option(0, "seed of the split, the data order and the noise", check=int)
-    states_from: str = option("disk", "where the hidden states come from: disk (03's files under --data-dir) or "
+    states_from: str = option("disk", "where the hidden states come from: disk (03's files under --data-dir); "
                                       "colocated (the verifier in this process computes each pack's states from 01's "
-                                      "rows under --data-dir as it trains: no states on disk)",
-                              choices=["disk", "colocated"])
+                                      "rows under --data-dir as it trains); server (a vLLM server started by "
+                                      "serve_states.py computes them, --states-url)",
+                              choices=["disk", "colocated", "server"])
+    states_url: str | None = option(None, "with --states-from server: the server's URL, as serve_states.py prints it "
+                                          "(--num-workers requests are kept in flight)")
+    layers: list | None = option(None, "with --states-from colocated or server: aux layer ids (default: 03's, "
+                                       "2 N/2 N-3)", check=number(int, 0), nargs="+")
     resume: bool = option(False, "continue from the newest checkpoint in <output-dir>/checkpoints that loads "
                                  "(`latest`, or with a warning the one before); settings that change the run must match")
     plot: bool = option(False, "only redraw <output-dir>/training.png from metrics.jsonl")
@@ -182,6 +187,11 @@ class TrainConfig:
             raise UserError("--muon-lr sets the Muon group's lr: add --optimizer muon")
         if self.compile_wait and not self.compile:
             raise UserError("--compile-wait changes how --compile compiles: add --compile")
+        if (self.states_from == "server") != (self.states_url is not None):
+            raise UserError("--states-from server needs --states-url, and --states-url needs --states-from server")
+        if self.layers and self.states_from == "disk":
+            raise UserError("--layers chooses the layers colocated and server sources compute; from disk they are "
+                            "03's (rerun 03 with --layers)")
 
 
 # ---------------------------------------------------------------- stage 01's regeneration

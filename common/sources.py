@@ -1,6 +1,7 @@
-"""Where stage 04's hidden states come from (--states-from): 03's row files on disk, or the verifier inside the
-training process computing each pack's states as it trains (colocated: no states on disk at all). The trainer
-sees one interface: the rows' lengths, the aux layers, a fingerprint of the rows, and the packed batches."""
+"""Where stage 04's hidden states come from (--states-from): 03's row files on disk; the verifier inside the
+training process computing each pack's states as it trains (colocated); or a running vLLM server (server). The
+last two need no states on disk. The trainer sees one interface: the rows' lengths, the aux layers, a fingerprint
+of the rows, and the packed batches."""
 import os
 
 import numpy as np
@@ -10,7 +11,7 @@ from common.data import load_prepared
 from common.errors import UserError
 from common.loader import PackedBatches, check_vocab_mapping, collect_rows, pack_layout, rows_fingerprint
 from common.manifest import find_stage_dirs, prepared_fingerprint, read_manifest, sha256_json
-from common.verifier import default_aux_layers
+from common.verifier import check_aux_layers, default_aux_layers
 
 
 class DiskStates:
@@ -25,13 +26,10 @@ class DiskStates:
         return PackedBatches(self.files, self.lengths, len(self.aux), self.hidden, pack_tokens, device, dtype, workers)
 
 
-class ColocatedStates:
-    """01's rows (`<data>/prepared/rows_A-B`), their states computed by the verifier on the trainer's device as each
-    pack is read, with the layers and the hooks 03 uses, so a pack is what it would be from 03's files."""
-    name = "colocated"
+class PreparedRows:
+    """01's rows (`<data>/prepared/rows_A-B`), whose states a verifier computes as each pack is read."""
 
-    def __init__(self, data_dirs: list[str], vocab_dir: str, verifier: str, text_config, trust_remote_code: bool,
-                 pad_id: int):
+    def __init__(self, data_dirs: list[str], vocab_dir: str, text_config, layers: list[int] | None):
         self.folders = find_stage_dirs(data_dirs, "prepare")
         manifests = {f: read_manifest(f, "prepare") for f in self.folders}
         hashes = {f: prepared_fingerprint(f) for f in self.folders}
@@ -43,26 +41,60 @@ class ColocatedStates:
             self.ids += rows["input_ids"]
             self.masks += rows["loss_mask"]
         self.lengths = [len(r) - 1 for r in self.ids]  # after the one-token shift
-        self.verifier, self.text_config, self.trust, self.pad_id = verifier, text_config, trust_remote_code, pad_id
-        self.aux = default_aux_layers(text_config.num_hidden_layers)  # 03's default layers
+        n = text_config.num_hidden_layers
+        self.aux = check_aux_layers(layers, n) if layers else default_aux_layers(n)  # 03's default layers
+        self.text_config = text_config
+        # as DiskStates' fingerprint of states extracted from these rows: a run may resume from another source
         self.fingerprint = sha256_json([[os.path.basename(os.path.normpath(f)), hashes[f]] for f in self.folders])
 
-    def packed(self, pack_tokens: int, device, dtype, workers: int) -> "VerifierBatches":
+
+class ColocatedStates(PreparedRows):
+    """States computed by the verifier on the trainer's device, with the hooks 03 uses, so a pack is what it would be
+    from 03's files."""
+    name = "colocated"
+
+    def __init__(self, data_dirs, vocab_dir, text_config, layers, verifier: str, trust_remote_code: bool, pad_id: int):
+        super().__init__(data_dirs, vocab_dir, text_config, layers)
+        self.verifier, self.trust, self.pad_id = verifier, trust_remote_code, pad_id
+
+    def packed(self, pack_tokens: int, device, dtype, workers: int) -> "ComputedBatches":
         from common.extract import TransformersBackend
         compute = "bfloat16" if dtype == torch.bfloat16 else "float32"
         backend = TransformersBackend.load(self.verifier, self.aux, self.text_config.num_hidden_layers, compute,
                                            str(device), self.trust)
-        return VerifierBatches(self, backend, pack_tokens, device, dtype)
+
+        def states(rows: list[list[int]]) -> list[torch.Tensor]:
+            padded = backend.states(rows, self.pad_id)  # [rows, longest, layers, hidden], as 03 stores them
+            return [padded[b, :len(r)] for b, r in enumerate(rows)]
+        return ComputedBatches(self, states, pack_tokens, device, dtype)
 
 
-class VerifierBatches(PackedBatches):
-    """PackedBatches whose states come from the verifier's forward over the pack's rows rather than from files
-    (the same plan, layout and assembly; one pack is computed ahead, on the reading thread)."""
+class ServerStates(PreparedRows):
+    """States computed by a running vLLM server (serve_states.py), requested row by row, `workers` at a time."""
+    name = "server"
 
-    def __init__(self, source: ColocatedStates, backend, max_len: int, device, dtype):
+    def __init__(self, data_dirs, vocab_dir, text_config, layers, url: str, tokenizer):
+        super().__init__(data_dirs, vocab_dir, text_config, layers)
+        from common.states_server import StatesClient
+        self.client = StatesClient(url, tokenizer, [*self.aux, text_config.num_hidden_layers], text_config.hidden_size)
+
+    def packed(self, pack_tokens: int, device, dtype, workers: int) -> "ComputedBatches":
+        from concurrent.futures import ThreadPoolExecutor
+        pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="states-request")  # the requests in flight
+
+        def states(rows: list[list[int]]) -> list[torch.Tensor]:
+            return [s.to(torch.bfloat16) for s in pool.map(self.client.states, rows)]  # as 03 stores them
+        return ComputedBatches(self, states, pack_tokens, device, dtype)
+
+
+class ComputedBatches(PackedBatches):
+    """PackedBatches whose states are computed for each pack (by `states`, from the rows' token ids) rather than read
+    from files: the same plan, layout and assembly; one pack is computed ahead, on the reading thread."""
+
+    def __init__(self, source: PreparedRows, states, max_len: int, device, dtype):
         if not source.ids:
             raise UserError("no prepared rows to train on")
-        self.source, self.backend = source, backend
+        self.source, self.states = source, states
         self.lengths, self.n_aux, self.hidden = source.lengths, len(source.aux), source.text_config.hidden_size
         self.max_len, self.device, self.dtype, self.fp8 = max_len, device, dtype, False
 
@@ -71,11 +103,10 @@ class VerifierBatches(PackedBatches):
         takes = [take for _, take in plan]
         ids = [self.source.ids[r][:take + 1] for r, take in plan]
         masks = [self.source.masks[r][:take + 1] for r, take in plan]
-        states = self.backend.states(ids, self.source.pad_id)  # [rows, longest, aux + 1, hidden], as 03 stores them
         starts = np.cumsum([0] + [take + 1 for take in takes])
         layout = torch.zeros(3, self.max_len, dtype=torch.int64)
         pack_layout(takes, starts, layout[:, :sum(takes)].numpy())
-        buf = {"states": torch.cat([states[b, :take + 1] for b, take in enumerate(takes)]),
+        buf = {"states": torch.cat(self.states(ids)).to(self.device),
                "ids": torch.tensor([t for r in ids for t in r]), "mask": torch.tensor([m for r in masks for m in r]),
                "layout": layout, "release": None}
         return buf, int(starts[-1]), sum(takes)

@@ -92,3 +92,4 @@ def extract_vllm(backend: VllmBackend, rows: dict, out: str, writer, max_tokens:
             jobs.append((row_file(out, i), rows[i]["input_ids"], res["hidden_states"].to(torch.bfloat16),
                          rows[i]["loss_mask"]))
         writer.submit(jobs, None, lambda n, t=sum(len(rows[i]["input_ids"]) for i in chunk): on_done(n, t))
+

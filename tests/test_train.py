@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -371,24 +372,63 @@ def test_muon_float32_orthogonalization_is_torchs_within_bfloat16():
         assert (ours - torchs).abs().max() < 0.03 * torchs.abs().max()
 
 
-def test_colocated_states_train_what_disk_states_train_and_resume(tmp_path, data_dir):
-    """--states-from colocated (the verifier in the training process computes each pack's states from 01's rows)
-    gives the losses of 03's files on the same rows and seed (float32: the fixture's 03 computed in float32 and
-    stored bf16, as the colocated path rounds them), says so in the log and run.json, reports the share of time the
-    loop waited for states, and resumes: 3 steps, then --resume to 6, are the disk run's 6 steps."""
+@pytest.fixture(scope="module")
+def states_server(data_dir):
+    """serve_states.py on the CPU (float32, as the fixture's 03 ran), for the tests of 04 --states-from server."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve_states.py"), "--port", str(port), "--dtype",
+                             "float32", "--max-model-len", "512"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("STATES_URL="):
+            break
+    assert proc.poll() is None, "".join(lines[-30:])
+    threading.Thread(target=proc.stdout.read, daemon=True).start()  # its log must not fill the pipe
+    yield line.strip().split("=", 1)[1]
+    proc.terminate()
+    proc.wait(timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["colocated", "server"])
+def test_states_computed_while_training_give_disks_losses_and_resume(tmp_path, data_dir, source, request):
+    """--states-from colocated (the verifier in the training process) and server (a vLLM server started by
+    serve_states.py) compute each pack's states from 01's rows and give the losses of 03's files on the same rows
+    and seed (float32 everywhere, the states rounded to bf16 as 03 stores them; vLLM's own kernels differ from
+    transformers' within that), say so in the log and run.json, report the share of time the loop waited for states,
+    and resume: 3 steps, then --resume to 6, are the disk run's 6 steps."""
+    flags = ["--states-from", source] + (["--states-url", request.getfixturevalue("states_server")]
+                                         if source == "server" else [])
     common = ["--data-dir", data_dir, "--log-every", 1, "--val-ratio", 0.1, "--max-seq-len", 512, "--lr", 1e-3,
-              "--dtype", "float32", "--optimizer", "adamw", "--noise-std", 0, "--num-workers", 1,
+              "--dtype", "float32", "--optimizer", "adamw", "--noise-std", 0, "--num-workers", 2,
               "--scheduler", "none", "--warmup-steps", 0]  # a flat lr: --max-steps 3 then 6 is one schedule
     stage("04_train.py", *common, "--output-dir", tmp_path / "disk", "--max-steps", 6)
-    proc = stage("04_train.py", *common, "--output-dir", tmp_path / "colocated", "--max-steps", 3,
-                 "--states-from", "colocated")
-    assert "states from colocated" in proc.stdout and re.search(r"waited for states \d+%", proc.stdout)
-    stage("04_train.py", *common, "--output-dir", tmp_path / "colocated", "--max-steps", 6, "--states-from",
-          "colocated", "--resume")
-    disk, colocated = records(tmp_path / "disk", "train"), records(tmp_path / "colocated", "train")
-    assert [r["step"] for r in colocated] == list(range(1, 7))
-    assert [r["loss"] for r in colocated] == pytest.approx([r["loss"] for r in disk], rel=1e-5)
-    assert records(tmp_path / "colocated", "val")[-1]["loss"] == pytest.approx(records(tmp_path / "disk", "val")[-1]["loss"],
-                                                                               rel=1e-5)
-    assert all(0 <= r["states_wait_share"] <= 1 for r in colocated)
-    assert read_json(tmp_path / "colocated" / "checkpoints" / "latest" / "run.json")["args"]["states_from"] == "colocated"
+    proc = stage("04_train.py", *common, "--output-dir", tmp_path / source, "--max-steps", 3, *flags)
+    assert f"states from {source}" in proc.stdout and re.search(r"waited for states \d+%", proc.stdout)
+    stage("04_train.py", *common, "--output-dir", tmp_path / source, "--max-steps", 6, *flags, "--resume")
+    disk, computed = records(tmp_path / "disk", "train"), records(tmp_path / source, "train")
+    tolerance = 1e-5 if source == "colocated" else 1e-3
+    assert [r["step"] for r in computed] == list(range(1, 7))
+    assert [r["loss"] for r in computed] == pytest.approx([r["loss"] for r in disk], rel=tolerance)
+    assert records(tmp_path / source, "val")[-1]["loss"] == pytest.approx(records(tmp_path / "disk", "val")[-1]["loss"],
+                                                                          rel=tolerance)
+    assert all(0 <= r["states_wait_share"] <= 1 for r in computed)
+    assert read_json(tmp_path / source / "checkpoints" / "latest" / "run.json")["args"]["states_from"] == source
+
+
+@pytest.mark.slow
+def test_a_states_server_that_is_down_or_stores_other_layers_is_one_line(tmp_path, data_dir, states_server):
+    common = ["04_train.py", "--data-dir", data_dir, "--output-dir", tmp_path / "out", "--max-steps", 1]
+    cases = [(["--states-from", "server", "--states-url", "http://127.0.0.1:9"], "no vLLM server answers"),
+             (["--states-from", "server", "--states-url", states_server, "--layers", 3, 10, 20],
+              "stores layers [2, 15, 27, 30], this run trains on [3, 10, 20, 30]"),
+             (["--states-url", states_server], "--states-from server needs --states-url"),
+             (["--layers", 3, 10, 20], "--layers chooses the layers colocated and server sources compute")]
+    for flags, words in cases:
+        assert_user_error(stage(*common, *flags, check=False), words)
+    assert not (tmp_path / "out" / "checkpoints").exists()

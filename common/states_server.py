@@ -1,0 +1,123 @@
+"""Hidden states from a running vLLM server: the `vllm serve` command with 03's extraction settings (the
+`extract_hidden_states` method and a hidden-states connector writing to a shared folder), the name that tells a
+trainer which layers it stores, and the client 04's server source uses (--states-from server)."""
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+
+import torch
+
+from common.errors import UserError
+
+
+def served_name(verifier: str, layer_ids: list[int]) -> str:
+    """The model name a states server answers to: the verifier's folder and the layer ids it stores (the last is the
+    final layer), so a trainer can tell a server of other layers from its own."""
+    return f"{os.path.basename(os.path.normpath(verifier))}@layers={','.join(map(str, layer_ids))}"
+
+
+def layers_served(name: str) -> list[int] | None:
+    """The layer ids in a served_name, or None for a server started otherwise."""
+    _, sep, ids = name.rpartition("@layers=")
+    try:
+        return [int(i) for i in ids.split(",")] if sep else None
+    except ValueError:
+        return None
+
+
+def serve_command(verifier: str, layer_ids: list[int], storage: str, host: str, port: int, max_len: int, dtype: str,
+                  tensor_parallel_size: int, gpu_memory_utilization: float, trust_remote_code: bool) -> list[str]:
+    """`vllm serve` with 03's extraction settings: each request's prompt states go to `storage` (a RAM disk, shared
+    with the trainer), named in the answer's kv_transfer_params."""
+    import sys
+    on_cpu = not torch.cuda.is_available()
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", verifier,
+            "--served-model-name", served_name(verifier, layer_ids), "--host", host, "--port", str(port),
+            "--max-model-len", str(max_len), "--dtype", dtype, "--tensor-parallel-size", str(tensor_parallel_size),
+            "--gpu-memory-utilization", str(gpu_memory_utilization), "--no-enable-prefix-caching",
+            *(["--enforce-eager"] if on_cpu else []), *(["--trust-remote-code"] if trust_remote_code else []),
+            "--speculative-config", json.dumps({"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                                "draft_model_config": {"hf_config": {
+                                                    "eagle_aux_hidden_state_layer_ids": layer_ids}}}),
+            "--kv-transfer-config", json.dumps({"kv_connector": "CpuSafeHiddenStatesConnector",
+                                                "kv_connector_module_path": "common.vllm_extract",
+                                                "kv_role": "kv_producer",
+                                                "kv_connector_extra_config": {"shared_storage_path": storage}})]
+
+
+PROBE = "The quick brown fox jumps over the lazy dog."  # what the tokenizer check encodes on both sides
+
+
+class StatesClient:
+    """Requests to a states server: each row's token ids go as a prompt with max_tokens 1; the answer names the file
+    of its states, which is read and removed. A failed request is retried; a server that is down, serves another
+    tokenizer or verifier, or stores other layers is a one-line error naming the URL and what differs."""
+
+    def __init__(self, url: str, tokenizer, layer_ids: list[int], hidden_size: int, tries: int = 3,
+                 timeout: float = 600.0, file_wait: float = 60.0):
+        self.url, self.tries, self.timeout, self.file_wait = url.rstrip("/"), tries, timeout, file_wait
+        try:
+            models = self._call("GET", "/v1/models", None, tries=1, timeout=10)["data"]
+        except UserError as e:
+            raise UserError(f"--states-url {self.url}: no vLLM server answers ({str(e).split(': ', 1)[-1]}); start one "
+                            "with serve_states.py")
+        self.model = models[0]["id"]
+        served = layers_served(self.model)
+        if served is None:
+            raise UserError(f"--states-url {self.url} serves '{self.model}', not a states server of serve_states.py "
+                            "(its name carries the layers it stores); start one with serve_states.py")
+        if served != layer_ids:
+            raise UserError(f"--states-url {self.url} stores layers {served}, this run trains on {layer_ids} (aux layers "
+                            "and the final one): pass --layers as the server's, or serve these")
+        theirs = self._call("POST", "/tokenize", {"model": self.model, "prompt": PROBE, "add_special_tokens": False})
+        if theirs.get("tokens") != tokenizer.encode(PROBE, add_special_tokens=False):
+            raise UserError(f"--states-url {self.url} serves '{self.model}', whose tokenizer is not --verifier-path's: "
+                            "serve the verifier you train for")
+        states = self.states(tokenizer.encode(PROBE, add_special_tokens=False))
+        if states.shape[-1] != hidden_size:
+            raise UserError(f"--states-url {self.url} serves '{self.model}' with hidden size {states.shape[-1]}, "
+                            f"--verifier-path has {hidden_size}: serve the verifier you train for")
+
+    def _call(self, method: str, path: str, body, tries: int = 0, timeout: float = 0) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        error = None
+        for attempt in range(tries or self.tries):
+            request = urllib.request.Request(self.url + path, data=data, method=method,
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=timeout or self.timeout) as answer:
+                    return json.loads(answer.read())
+            except urllib.error.HTTPError as e:
+                error = f"HTTP {e.code}: {e.read().decode(errors='replace')[:200]}"
+                if e.code < 500:  # the request itself is wrong: another try gives the same answer
+                    break
+            except (urllib.error.URLError, OSError, ValueError) as e:
+                error = str(getattr(e, "reason", e))
+            time.sleep(min(2 ** attempt, 10))
+        raise UserError(f"--states-url {self.url}{path}: {error}")
+
+    def states(self, ids: list[int]) -> torch.Tensor:
+        """[len(ids), layers, hidden] of the prompt `ids`, as the server computed them."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states, load_hidden_states)
+        answer = self._call("POST", "/v1/completions", {"model": self.model, "prompt": ids, "max_tokens": 1})
+        path = (answer.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if path is None:
+            raise UserError(f"--states-url {self.url} answered without a hidden_states_path: it is not serving with "
+                            "the hidden-states connector; start it with serve_states.py")
+        waited = time.time()
+        while not os.path.exists(path + ".lock"):  # the connector may write after the answer is sent
+            if time.time() - waited > self.file_wait:
+                raise UserError(f"--states-url {self.url} wrote its states to {path}, which this machine does not see "
+                                f"after {self.file_wait:.0f} s: the server's --storage must be a folder the trainer "
+                                "shares")
+            time.sleep(0.005)
+        try:
+            out = load_hidden_states(path)
+        finally:
+            cleanup_hidden_states(path)
+        if out["token_ids"].tolist() != list(ids):
+            raise UserError(f"--states-url {self.url} returned states of other tokens than it was sent")
+        return out["hidden_states"]
