@@ -220,9 +220,14 @@ def split_rows(n: int, val_ratio: float, seed: int) -> tuple[list[int], list[int
     return sorted(order[n_val:]), sorted(order[:n_val])
 
 
-def epoch_batches(lengths, max_len, seed, epoch, rank, world) -> list:
-    """Packed batches of row indices for one epoch: deterministic in (seed, epoch), split across ranks."""
+def epoch_batches(lengths, max_len, seed, epoch, rank, world, accum: int = 1) -> list:
+    """Packed batches of row indices for one epoch: deterministic in (seed, epoch), split across ranks. With `accum`
+    packs per optimizer step, a rank takes the packs of `accum` ranks of a world that many times larger, one of each
+    per step: so N processes train on the packs one process takes with --grad-accum N (the same global batch)."""
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
-    sampler = MultipackDistributedBatchSamplerV2(max_len, lengths, world, rank, seed=seed)
-    sampler.set_epoch(epoch)
-    return [list(b) for b in sampler]
+    shares = []
+    for part in range(rank * accum, (rank + 1) * accum):
+        sampler = MultipackDistributedBatchSamplerV2(max_len, lengths, world * accum, part, seed=seed)
+        sampler.set_epoch(epoch)
+        shares.append([list(b) for b in sampler])
+    return [b for step in zip(*shares) for b in step]

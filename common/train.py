@@ -351,7 +351,7 @@ def train(cfg: TrainConfig, source, text_config, verifier_hash: str) -> str:
     packed = source.packed(cfg.pack_tokens, device, dtype, cfg.num_workers)
     train_lengths = [lengths[i] for i in train_rows]
     total_steps = cfg.max_steps or sum(
-        math.ceil(len(epoch_batches(train_lengths, cfg.pack_tokens, cfg.seed, e, rank, world)) / cfg.grad_accum)
+        math.ceil(len(epoch_batches(train_lengths, cfg.pack_tokens, cfg.seed, e, rank, world, cfg.grad_accum)) / cfg.grad_accum)
         for e in range(cfg.epochs))
     metrics_path = RunDir(cfg.output_dir).metrics
 
@@ -418,7 +418,7 @@ def train(cfg: TrainConfig, source, text_config, verifier_hash: str) -> str:
         log.info("torch.compile starts on the first batch" + (
             "; the first step waits for it" if compiler.wait else ", beside eager steps until it is ready"))
     while pos.epoch < cfg.epochs and not reached_max_steps:
-        batches = epoch_batches(train_lengths, cfg.pack_tokens, cfg.seed, pos.epoch, rank, world)
+        batches = epoch_batches(train_lengths, cfg.pack_tokens, cfg.seed, pos.epoch, rank, world, cfg.grad_accum)
         micro = batches[pos.step_in_epoch * cfg.grad_accum:]  # a resumed epoch skips the batches it trained
         for k, batch in enumerate(timed(packed([[train_rows[i] for i in b] for b in micro]), waited)):
             optimizer.set_lr_scale(lr_scale(pos.step, total_steps, cfg))

@@ -432,3 +432,27 @@ def test_a_states_server_that_is_down_or_stores_other_layers_is_one_line(tmp_pat
     for flags, words in cases:
         assert_user_error(stage(*common, *flags, check=False), words)
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_train_as_one_with_the_same_global_batch_and_resume(tmp_path, data_dir):
+    """torchrun --nproc-per-node 2 (gloo, the CPU) trains what one process trains with --grad-accum 2: each rank
+    takes the packs one process accumulates, DDP averages what accumulation averages. Two steps, then --resume to
+    four, under torchrun: the same weights and validation as one process's four steps, one checkpoint per save."""
+    common = ["--data-dir", data_dir, "--max-seq-len", 512, "--lr", 1e-3, "--optimizer", "adamw", "--noise-std", 0,
+              "--dtype", "float32", "--val-ratio", 0.1, "--num-workers", 1, "--scheduler", "none", "--warmup-steps", 0,
+              "--log-every", 1]
+    stage("04_train.py", *common, "--output-dir", tmp_path / "one", "--max-steps", 4, "--grad-accum", 2)
+    for steps, resume in ((2, []), (4, ["--resume"])):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                               os.path.join(ROOT, "04_train.py"), *map(str, common), "--output-dir", str(tmp_path / "two"),
+                               "--max-steps", str(steps), *resume], capture_output=True, text=True, timeout=1200,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one = torch.load(tmp_path / "one" / "checkpoints" / "step_4" / "training_state.pt", weights_only=False)
+    two = torch.load(tmp_path / "two" / "checkpoints" / "step_4" / "training_state.pt", weights_only=False)
+    assert one["step"] == two["step"] == 4
+    for name in one["model"]:
+        torch.testing.assert_close(two["model"][name], one["model"][name], rtol=1e-4, atol=1e-5)
+    assert two["val"]["loss"] == pytest.approx(one["val"]["loss"], rel=1e-4)
+    assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["best", "latest", "step_2", "step_4"]
