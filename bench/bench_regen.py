@@ -15,6 +15,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import slot_decode
 from common.data import load_records, normalize
 from common.regenerate import TransformersGenerator, cut_loop, encode, script
 from common.verifier import ensure_default_verifier
@@ -27,7 +28,9 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply")
     p.add_argument("--max-seq-len", type=int, default=2048, help="slots: the length of each cache row")
     p.add_argument("--batch-tokens", type=int, default=1 << 20, help="01's --regen-batch-tokens")
-    p.add_argument("--batchings", nargs="+", default=["padded", "slots"], help="of padded, continuous, slots")
+    p.add_argument("--batchings", nargs="+", default=["padded", "slots"],
+                   help="of padded, continuous, slots, slots-sdpa (slots with SDPA over a span where it would use "
+                        "FlashAttention's per-slot lengths)")
     p.add_argument("--baseline-prompts", type=int, default=0,
                    help="the first batching answers only this many of the prompts (0: all): padded generate() is slow")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -48,11 +51,12 @@ def main():
             break
     print(f"{len(prompts)} prompts, {sum(map(len, prompts)):,} prompt tokens, up to {args.max_new_tokens} new tokens, "
           f"{args.device}, {'float32' if args.fp32 or args.device == 'cpu' else 'bfloat16'}")
-    first = None
+    first, flash_works = None, slot_decode.flash_works
     for batching in args.batchings:
+        slot_decode.flash_works = flash_works if batching == "slots" else lambda *a: False
         gen = TransformersGenerator(verifier, args.device, False, args.batch_tokens, tok.eos_token_id,
                                     tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-                                    batching, args.max_seq_len, torch.float32 if args.fp32 else None)
+                                    batching.split("-")[0], args.max_seq_len, torch.float32 if args.fp32 else None)
         gen(prompts[:4], [8] * 4, 0.0, 1.0, [0] * 4)  # warm-up
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()

@@ -7,7 +7,9 @@ scheduler holds one core and starves the GPU (docs/benchmarks.md). Here every ro
 slots at once (a finished slot's work is wasted until it is refilled), and free slots are refilled in
 groups: the new prompts are prefilled by the model's own forward (right-padded) and their keys and
 values copied into the slots. The decode step reuses the model's modules and transformers' rotary
-code, so only the attention over the slots is written here.
+code, so only the attention over the slots is written here: on a GPU in bf16/fp16 by FlashAttention's
+varlen kernel, which reads each slot's cache only up to that slot's own position (seqused_k); elsewhere by
+SDPA over a span of the cache that holds the longest position in use.
 """
 from collections import deque
 
@@ -36,6 +38,40 @@ def check_supported(model) -> None:
                         "sliding windows; use --regen-batching padded, or --regenerate vllm")
 
 
+def flash_decode(q, keys, values, used, max_len: int, scale: float) -> torch.Tensor:
+    """One query per slot ([slots, heads, dim]) over its own cache row ([slots, max_len, kv heads, dim]) up to
+    `used` positions, by the FlashAttention varlen kernel in torch's CUDA build: the op SDPA calls inside, taken
+    directly because SDPA's public call has no per-row key lengths (seqused_k)."""
+    slots = keys.shape[0]
+    rows = torch.arange(slots + 1, dtype=torch.int32, device=q.device)  # query i is row i; slot i's keys start at i * max_len
+    flat_k, flat_v = (t.view(slots * max_len, *t.shape[2:]) for t in (keys, values))
+    return torch.ops.aten._flash_attention_forward(q, flat_k, flat_v, rows, rows * max_len, 1, max_len, 0.0, False,  # noqa: SLF001
+                                                   False, scale=scale, seqused_k=used)[0]
+
+
+def flash_works(device, dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether FlashAttention's varlen kernel (in torch's CUDA build) runs here: a GPU, bf16/fp16, and one
+    tiny call that must agree with SDPA; anything else decodes with SDPA."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(2, heads, head_dim, generator=g, device=device, dtype=dtype)
+        kv = torch.randn(2, 2, 16, kv_heads, head_dim, generator=g, device=device, dtype=dtype)
+        used = torch.tensor([5, 16], dtype=torch.int32, device=device)
+        out = flash_decode(q, kv[0], kv[1], used, 16, head_dim ** -0.5)
+        for r, n in enumerate(used.tolist()):
+            k, v = (t[r, :n].transpose(0, 1).repeat_interleave(heads // kv_heads, 0) for t in kv)
+            want = F.scaled_dot_product_attention(q[r][:, None], k, v)[:, 0]
+            if not torch.allclose(out[r].float(), want.float(), atol=2e-2, rtol=2e-2):
+                log.warning("slots: FlashAttention's varlen kernel disagrees with SDPA here; decoding with SDPA")
+                return False
+        return True
+    except (RuntimeError, TypeError) as e:
+        log.warning(f"slots: FlashAttention's varlen kernel is not usable here ({str(e)[:160]}); decoding with SDPA")
+        return False
+
+
 class SlotDecoder:
     def __init__(self, model, slots: int, max_len: int, prefill_tokens: int):
         check_supported(model)
@@ -45,7 +81,8 @@ class SlotDecoder:
         self.kv_heads = getattr(c, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.heads
         p = next(model.parameters())
-        shape = (len(self.inner.layers), slots, self.kv_heads, max_len, self.head_dim)
+        # positions before heads: the layout FlashAttention's varlen kernel reads ([slots * max_len, heads, dim])
+        shape = (len(self.inner.layers), slots, max_len, self.kv_heads, self.head_dim)
         self.keys = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.values = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.slots, self.max_len, self.prefill_tokens = slots, max_len, prefill_tokens
@@ -54,6 +91,9 @@ class SlotDecoder:
         # attention reads the cache only up to the longest position in use, rounded up to one of these
         # spans: a step over the whole max_len read mostly empty cache (its bytes bound the step)
         self.spans = sorted({min(max_len, 256 << i) for i in range(max(1, max_len.bit_length()))})
+        self.flash = flash_works(p.device, p.dtype, self.heads, self.kv_heads, self.head_dim)
+        if self.flash:  # each slot reads its own length: one span, one graph
+            self.spans = [max_len]
         self.graphs = {}
         if p.device.type == "cuda":
             try:
@@ -105,8 +145,8 @@ class SlotDecoder:
         out = self.inner(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=True)
         index = torch.tensor(slots, device=device)
         for i, layer in enumerate(out.past_key_values.layers):
-            self.keys[i, index, :, :width] = layer.keys
-            self.values[i, index, :, :width] = layer.values
+            self.keys[i, index, :width] = layer.keys.transpose(1, 2)
+            self.values[i, index, :width] = layer.values.transpose(1, 2)
         last = torch.tensor([len(p) - 1 for p in prompts], device=device)
         return self.model.lm_head(out.last_hidden_state[torch.arange(len(prompts), device=device), last]).float()
 
@@ -120,7 +160,8 @@ class SlotDecoder:
         cos, sin = self.inner.rotary_emb(x, pos[:, None])
         # a slot sees its cache up to its own position; the query heads that share a key head ride as
         # that head's rows of queries, so grouped attention needs no copies of the cache
-        mask = (self.span[None, :span] <= pos[:, None])[:, None, None, :]
+        mask = None if self.flash else (self.span[None, :span] <= pos[:, None])[:, None, None, :]
+        used = (pos + 1).to(torch.int32)
         for i, layer in enumerate(self.inner.layers):
             a = layer.self_attn
             h = layer.input_layernorm(x)
@@ -129,10 +170,14 @@ class SlotDecoder:
             if hasattr(a, "q_norm"):  # Qwen3's per-head norms
                 q, k = a.q_norm(q), a.k_norm(k)
             q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            self.keys[i][self.rows, :, pos] = k[:, :, 0]
-            self.values[i][self.rows, :, pos] = a.v_proj(h).view(n, self.kv_heads, hd)
-            o = F.scaled_dot_product_attention(q.reshape(n, self.kv_heads, groups, hd), self.keys[i][:, :, :span],
-                                               self.values[i][:, :, :span], attn_mask=mask, scale=a.scaling)
+            self.keys[i][self.rows, pos] = k[:, :, 0]
+            self.values[i][self.rows, pos] = a.v_proj(h).view(n, self.kv_heads, hd)
+            if self.flash:
+                o = flash_decode(q[:, :, 0], self.keys[i], self.values[i], used, self.max_len, a.scaling)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q.reshape(n, self.kv_heads, groups, hd), self.keys[i][:, :span].transpose(1, 2),
+                    self.values[i][:, :span].transpose(1, 2), attn_mask=mask, scale=a.scaling)
             x = x + a.o_proj(o.reshape(n, 1, self.heads * hd))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.lm_head(self.inner.norm(x)[:, 0]).float()
