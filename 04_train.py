@@ -42,7 +42,8 @@ def states_source(cfg: TrainConfig, text_config, verifier_hash: str):
         return DiskStates(cfg.data_dir, cfg.vocab_mapping_dir, verifier_hash, text_config.hidden_size)
     tokenizer = load_tokenizer(cfg.verifier_path, cfg.trust_remote_code)
     if cfg.states_from == "server":
-        return ServerStates(cfg.data_dir, cfg.vocab_mapping_dir, text_config, cfg.layers, cfg.states_url, tokenizer)
+        return ServerStates(cfg.data_dir, cfg.vocab_mapping_dir, text_config, cfg.layers, cfg.states_url, tokenizer,
+                            cfg.on_policy)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # as 03 pads
     return ColocatedStates(cfg.data_dir, cfg.vocab_mapping_dir, text_config, cfg.layers, cfg.verifier_path,
                            cfg.trust_remote_code, pad_id)

@@ -172,6 +172,9 @@ class TrainConfig:
                               choices=["disk", "colocated", "server"])
     states_url: str | None = option(None, "with --states-from server: the server's URL, as serve_states.py prints it "
                                           "(--num-workers requests are kept in flight)")
+    on_policy: bool = option(False, "with --states-from server: the server writes every assistant reply anew (greedy, "
+                                    "each at most as long as the row's own) and the draft trains on the states of the "
+                                    "conversation with those replies, the loss on the generated tokens only")
     layers: list | None = option(None, "with --states-from colocated or server: aux layer ids (default: 03's, "
                                        "2 N/2 N-3)", check=number(int, 0), nargs="+")
     resume: bool = option(False, "continue from the newest checkpoint in <output-dir>/checkpoints that loads "
@@ -189,6 +192,8 @@ class TrainConfig:
             raise UserError("--compile-wait changes how --compile compiles: add --compile")
         if (self.states_from == "server") != (self.states_url is not None):
             raise UserError("--states-from server needs --states-url, and --states-url needs --states-from server")
+        if self.on_policy and self.states_from != "server":
+            raise UserError("--on-policy has the server write the replies: add --states-from server and --states-url")
         if self.layers and self.states_from == "disk":
             raise UserError("--layers chooses the layers colocated and server sources compute; from disk they are "
                             "03's (rerun 03 with --layers)")

@@ -205,10 +205,13 @@ def check_vocab_mapping(vocab_dir: str, prepared: dict, what: str) -> None:
                             "its draft vocabulary is not theirs; rerun 02_build_vocab_mapping.py")
 
 
-def rows_fingerprint(folders: list[str]) -> str:
-    """Which rows a run trains on: each folder's name and the prepared rows its states were extracted from."""
-    return sha256_json([[os.path.basename(os.path.normpath(f)),
-                         read_manifest(f, "hidden_states")["inputs"]["prepared_manifest_hash"]] for f in folders])
+def rows_fingerprint(folders: list[str], prepared_hashes: list[str] | None = None) -> str:
+    """Which rows a run trains on: each folder's name and the hash of its prepared rows (for 03's folders, the rows
+    their states were extracted from), the same for a run from disk and one whose states are computed as it trains,
+    so either resumes the other."""
+    if prepared_hashes is None:
+        prepared_hashes = [read_manifest(f, "hidden_states")["inputs"]["prepared_manifest_hash"] for f in folders]
+    return sha256_json([[os.path.basename(os.path.normpath(f)), h] for f, h in zip(folders, prepared_hashes)])
 
 
 def split_rows(n: int, val_ratio: float, seed: int) -> tuple[list[int], list[int]]:

@@ -100,9 +100,44 @@ class StatesClient:
 
     def states(self, ids: list[int]) -> torch.Tensor:
         """[len(ids), layers, hidden] of the prompt `ids`, as the server computed them."""
+        answer = self._call("POST", "/v1/completions", {"model": self.model, "prompt": ids, "max_tokens": 1})
+        return self._read(answer, ids)
+
+    def on_policy(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int], torch.Tensor]:
+        """The row with every assistant reply (a run of loss mask 1) written anew by the server, greedy, each at most
+        as long as the one it replaces (04 plans its packs from the rows' lengths): (ids, loss mask on the generated
+        tokens only, states). A reply that ended with the end-of-turn token is followed by the row's next user turn;
+        one cut at that length ends the row. Each request keeps the states of its generated tokens too
+        (kv_transfer_params.include_output_tokens), so the last one holds the states of the whole new row but its
+        final token (never fed to the model), which the row leaves out."""
+        spans = runs_of_ones(mask)
+        if not spans:
+            return ids, mask, self.states(ids)
+        out, out_mask, cursor, answer = [], [], 0, None
+        for start, end in spans:
+            if answer is not None:
+                self._read(answer, None)  # an earlier turn's states: the next request recomputes them
+            out += ids[cursor:start]
+            out_mask += [0] * (start - cursor)
+            answer = self._call("POST", "/v1/completions", {
+                "model": self.model, "prompt": out, "max_tokens": end - start, "temperature": 0,
+                "return_token_ids": True, "kv_transfer_params": {"include_output_tokens": True}})
+            choice = answer["choices"][0]
+            reply = choice.get("token_ids")
+            if not reply:
+                raise UserError(f"--states-url {self.url} answered a generation without its token ids (vLLM older "
+                                "than return_token_ids?): serve with this project's vLLM")
+            out += reply
+            out_mask += [1] * len(reply)
+            cursor = end
+            if choice.get("finish_reason") != "stop":
+                break
+        return out[:-1], out_mask[:-1], self._read(answer, out[:-1])
+
+    def _read(self, answer: dict, ids: list[int] | None) -> torch.Tensor | None:
+        """The states file an answer names, read (checked to hold `ids`; None: only removed) and removed."""
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             cleanup_hidden_states, load_hidden_states)
-        answer = self._call("POST", "/v1/completions", {"model": self.model, "prompt": ids, "max_tokens": 1})
         path = (answer.get("kv_transfer_params") or {}).get("hidden_states_path")
         if path is None:
             raise UserError(f"--states-url {self.url} answered without a hidden_states_path: it is not serving with "
@@ -115,9 +150,23 @@ class StatesClient:
                                 "shares")
             time.sleep(0.005)
         try:
-            out = load_hidden_states(path)
+            out = load_hidden_states(path) if ids is not None else None
         finally:
             cleanup_hidden_states(path)
+        if out is None:
+            return None
         if out["token_ids"].tolist() != list(ids):
             raise UserError(f"--states-url {self.url} returned states of other tokens than it was sent")
         return out["hidden_states"]
+
+
+def runs_of_ones(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of 1s in a loss mask: the assistant replies of a row."""
+    runs, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs

@@ -288,8 +288,8 @@ def backward_fitting(model, batch: dict, pieces: int, multiple: int, cfg, loss_c
 
 
 @torch.no_grad()
-def validate(model, packed, val_rows: list[int], lengths, cfg, loss_config, device, rank, world,
-             fn=None) -> dict | None:
+def validation_metrics(model, packed, val_rows: list[int], lengths, cfg, loss_config, device, rank, world,
+                       fn=None) -> dict | None:
     """Loss, accuracy per position and the estimated acceptance length on the validation rows (through
     `fn`, the model's eager forward when it runs compiled)."""
     if not val_rows:
@@ -314,167 +314,206 @@ def validate(model, packed, val_rows: list[int], lengths, cfg, loss_config, devi
 
 def train(cfg: TrainConfig, source, text_config, verifier_hash: str) -> str:
     """Train the draft on the rows and states of `source` (common/sources.py); the summary line."""
-    # ------------------------------------------------ data, draft, optimizer
-    rank, world, device = setup_distributed()
-    on_gpu = device.type == "cuda"
-    torch.manual_seed(cfg.seed)
-    lengths, aux = source.lengths, source.aux
-    train_rows, val_rows = split_rows(len(lengths), cfg.val_ratio, cfg.seed)
-    attn = draft_attention(cfg, on_gpu)
-    multiple = FLEX_BLOCK if attn == FLEX else 1  # the length a pack cut after out-of-memory is padded to
-    if cfg.compile and on_gpu:  # inductor's compile workers start while the draft is built (~3 s sooner to the first step)
-        from torch._inductor.async_compile import maybe_warm_pool
-        maybe_warm_pool()
-    t_build = time.time()
-    model = build_draft(cfg.verifier_path, aux, cfg.vocab_mapping_dir, cfg.ttt_steps, attn, cfg.trust_remote_code, device=device,
-                        norm_before_fc=cfg.norm_before_fc, norm_output=cfg.norm_output, num_layers=cfg.draft_layers,
-                        intermediate_size=cfg.draft_intermediate_size)
-    if cfg.dtype == "bfloat16":  # frozen verifier pieces in bf16 once, rather than an autocast copy of them every step
-        for frozen in (model.embed_tokens, model.lm_head, model.verifier_lm_head, model.verifier_norm):
-            frozen.to(torch.bfloat16)
-    from speculators.losses import resolve_loss_config
-    loss_config = resolve_loss_config(cfg.loss, cfg.loss_implementation if on_gpu else "eager")
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = Optimizers(model, cfg, on_gpu)
-    with open(os.path.join(cfg.vocab_mapping_dir, "d2t.npy"), "rb") as f:
-        vocab_hash = hashlib.sha256(f.read()).hexdigest()[:16]
-    settings = resume_settings(cfg, aux, verifier_hash, source.fingerprint, vocab_hash,
-                               getattr(text_config, "intermediate_size", None))
-    if rank == 0:
-        log.info(f"{len(lengths)} rows from {len(source.folders)} folder(s), states from {source.name}: "
-                 f"{len(train_rows)} train, {len(val_rows)} val; "
-                 f"aux layers {aux}; draft vocab {model.draft_vocab_size}; "
-                 f"{sum(p.numel() for p in params) / 1e6:.1f}M trainable parameters; attention {attn}; "
-                 f"device {device} x {world}, {cfg.dtype}")
-        log.info(f"draft built in {time.time() - t_build:.1f}s; {time.time() - LAUNCH:.1f}s since launch")
-    dtype = getattr(torch, cfg.dtype)
-    packed = source.packed(cfg.pack_tokens, device, dtype, cfg.num_workers)
-    train_lengths = [lengths[i] for i in train_rows]
-    total_steps = cfg.max_steps or sum(
-        math.ceil(len(epoch_batches(train_lengths, cfg.pack_tokens, cfg.seed, e, rank, world, cfg.grad_accum)) / cfg.grad_accum)
-        for e in range(cfg.epochs))
-    metrics_path = RunDir(cfg.output_dir).metrics
+    return Trainer(cfg, source, text_config, verifier_hash).run()
 
-    # ------------------------------------------------ resume: weights, optimizer, position, data order, RNG
-    pos = Position()
-    found = load_resume_state(cfg.output_dir) if cfg.resume else None
-    if found:
-        folder, ckpt = found
-        check_resume(folder, ckpt, settings, cfg)
-        model.load_state_dict(ckpt["model"], strict=False)
-        optimizer.load_state_dict(ckpt["optimizer"])
-        pos = Position(**{k: ckpt[k] for k in asdict(pos)})
-        set_rng_state(ckpt["rng"])
-        log.info(f"resumed from {os.path.realpath(folder)}: epoch {pos.epoch}, step {pos.step}")
-        if rank == 0:
-            keep_metrics_until(metrics_path, pos.step)
-    elif cfg.resume:
-        log.info(f"--resume: no checkpoint in {cfg.output_dir}; starting fresh")
-        if rank == 0:
-            keep_metrics_until(metrics_path, 0)  # what a run killed before its first checkpoint logged goes
-    if pos.epoch >= cfg.epochs or (cfg.max_steps and pos.step >= cfg.max_steps):
-        return f"already finished at step {pos.step} (epoch {pos.epoch}): nothing to train; checkpoints in {cfg.output_dir}/checkpoints"
 
-    raw_model = model
-    if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
-    # --compile: the forward is compiled on a thread beside eager steps and swapped in when ready
-    compiler = Compiler(raw_model, lambda fn, batch: forward(fn, batch, cfg, loss_config, device, noise=False)[0],
-                        wait=cfg.compile_wait or world > 1, announce=rank == 0) if cfg.compile else None
+class Trainer:
+    """04's loop, read top to bottom in run(): set up (here), resume, one epoch at a time (a step, a progress line,
+    a stop on a signal), validate, save. The rows and their states come from `source` (disk, colocated or server:
+    common/sources.py), the one thing that differs between them."""
 
-    def evaluate(tag: str, epoch_no: int) -> dict | None:
+    def __init__(self, cfg: TrainConfig, source, text_config, verifier_hash: str):
+        self.cfg = cfg
+        self.rank, self.world, self.device = setup_distributed()
+        self.on_gpu = self.device.type == "cuda"
+        torch.manual_seed(cfg.seed)
+        self.lengths, self.aux = source.lengths, source.aux
+        self.train_rows, self.val_rows = split_rows(len(self.lengths), cfg.val_ratio, cfg.seed)
+        attn = draft_attention(cfg, self.on_gpu)
+        self.multiple = FLEX_BLOCK if attn == FLEX else 1  # the length a pack cut after out-of-memory is padded to
+        if cfg.compile and self.on_gpu:  # inductor's compile workers start while the draft is built (~3 s sooner to the first step)
+            from torch._inductor.async_compile import maybe_warm_pool
+            maybe_warm_pool()
+        t_build = time.time()
+        self.model = build_draft(cfg.verifier_path, self.aux, cfg.vocab_mapping_dir, cfg.ttt_steps, attn, cfg.trust_remote_code,
+                                 device=self.device, norm_before_fc=cfg.norm_before_fc, norm_output=cfg.norm_output,
+                                 num_layers=cfg.draft_layers, intermediate_size=cfg.draft_intermediate_size)
+        if cfg.dtype == "bfloat16":  # frozen verifier pieces in bf16 once, rather than an autocast copy of them every step
+            for frozen in (self.model.embed_tokens, self.model.lm_head, self.model.verifier_lm_head, self.model.verifier_norm):
+                frozen.to(torch.bfloat16)
+        from speculators.losses import resolve_loss_config
+        self.loss_config = resolve_loss_config(cfg.loss, cfg.loss_implementation if self.on_gpu else "eager")
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = Optimizers(self.model, cfg, self.on_gpu)
+        with open(os.path.join(cfg.vocab_mapping_dir, "d2t.npy"), "rb") as f:
+            vocab_hash = hashlib.sha256(f.read()).hexdigest()[:16]
+        self.settings = resume_settings(cfg, self.aux, verifier_hash, source.fingerprint, vocab_hash,
+                                        getattr(text_config, "intermediate_size", None))
+        if self.rank == 0:
+            log.info(f"{len(self.lengths)} rows from {len(source.folders)} folder(s), states from {source.name}: "
+                     f"{len(self.train_rows)} train, {len(self.val_rows)} val; "
+                     f"aux layers {self.aux}; draft vocab {self.model.draft_vocab_size}; "
+                     f"{sum(p.numel() for p in self.params) / 1e6:.1f}M trainable parameters; attention {attn}; "
+                     f"device {self.device} x {self.world}, {cfg.dtype}")
+            log.info(f"draft built in {time.time() - t_build:.1f}s; {time.time() - LAUNCH:.1f}s since launch")
+        self.packed = source.packed(cfg.pack_tokens, self.device, getattr(torch, cfg.dtype), cfg.num_workers)
+        self.train_lengths = [self.lengths[i] for i in self.train_rows]
+        self.total_steps = cfg.max_steps or sum(math.ceil(len(self.batches(e)) / cfg.grad_accum) for e in range(cfg.epochs))
+        self.metrics_path = RunDir(cfg.output_dir).metrics
+        self.pos = Position()
+        self.raw_model, self.compiler = self.model, None
+        self.pieces = 1  # parts each packed batch is trained in: more after an out-of-memory step
+
+    def batches(self, epoch: int) -> list:
+        """This rank's packs of one epoch (lists of train-row positions), in the order every run takes them."""
+        cfg = self.cfg
+        return epoch_batches(self.train_lengths, cfg.pack_tokens, cfg.seed, epoch, self.rank, self.world, cfg.grad_accum)
+
+    def run(self) -> str:
+        cfg = self.cfg
+        if not self.resume():
+            return (f"already finished at step {self.pos.step} (epoch {self.pos.epoch}): nothing to train; "
+                    f"checkpoints in {cfg.output_dir}/checkpoints")
+        if self.world > 1:
+            self.model = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.on_gpu else None)
+        # --compile: the forward is compiled on a thread beside eager steps and swapped in when ready
+        if cfg.compile:
+            self.compiler = Compiler(
+                self.raw_model, lambda fn, batch: forward(fn, batch, cfg, self.loss_config, self.device, noise=False)[0],
+                wait=cfg.compile_wait or self.world > 1, announce=self.rank == 0)
+            if self.rank == 0:
+                log.info("torch.compile starts on the first batch" + (
+                    "; the first step waits for it" if self.compiler.wait else ", beside eager steps until it is ready"))
+        self.stop_signal = catch_stop_signals()
+        self.model.train()
+        self.t_loop = self.t_last = time.time()
+        self.tokens_since, self.sums, self.waited, self.first_step_logged = 0, {}, [0.0], False
+        while self.pos.epoch < cfg.epochs:
+            val, finished = self.epoch()
+            if not finished:  # --max-steps: the last step's checkpoint (not a second one by --save-every), validated once
+                self.save(f"step_{self.pos.step}",
+                          val if val is not None else self.validate(f"step {self.pos.step}", self.pos.epoch + 1))
+                break
+            self.pos.epoch, self.pos.step_in_epoch = self.pos.epoch + 1, 0
+            self.save(f"epoch_{self.pos.epoch}", self.validate(f"epoch {self.pos.epoch}", self.pos.epoch))
+        if self.compiler:  # a run shorter than the compile: let its thread end before the process does
+            self.compiler.finish(self.pos.step, last=True)
+        if self.world > 1:
+            torch.distributed.destroy_process_group()
+        best = (f"best est. accept len {self.pos.best_score:.3f}" if cfg.best_by == "accept"
+                else f"best val loss {-self.pos.best_score:.4f}")
+        return (f"trained {self.pos.step} steps; {best if self.val_rows else 'no validation split'}; "
+                f"checkpoints in {cfg.output_dir}/checkpoints")
+
+    def resume(self) -> bool:
+        """--resume: weights, optimizer, position, data order and RNG from the latest checkpoint. False when
+        the run it finds has nothing left to train."""
+        cfg = self.cfg
+        found = load_resume_state(cfg.output_dir) if cfg.resume else None
+        if found:
+            folder, ckpt = found
+            check_resume(folder, ckpt, self.settings, cfg)
+            self.model.load_state_dict(ckpt["model"], strict=False)
+            self.optimizer.load_state_dict(ckpt["optimizer"])
+            self.pos = Position(**{k: ckpt[k] for k in asdict(self.pos)})
+            set_rng_state(ckpt["rng"])
+            log.info(f"resumed from {os.path.realpath(folder)}: epoch {self.pos.epoch}, step {self.pos.step}")
+            if self.rank == 0:
+                keep_metrics_until(self.metrics_path, self.pos.step)
+        elif cfg.resume:
+            log.info(f"--resume: no checkpoint in {cfg.output_dir}; starting fresh")
+            if self.rank == 0:
+                keep_metrics_until(self.metrics_path, 0)  # what a run killed before its first checkpoint logged goes
+        return not (self.pos.epoch >= cfg.epochs or (cfg.max_steps and self.pos.step >= cfg.max_steps))
+
+    def epoch(self) -> tuple[dict | None, bool]:
+        """The rest of the current epoch, step by step: (the last validation, whether the epoch ran to its end
+        rather than to --max-steps)."""
+        cfg, pos = self.cfg, self.pos
+        micro = self.batches(pos.epoch)[pos.step_in_epoch * cfg.grad_accum:]  # a resumed epoch skips the batches it trained
+        val = None
+        for k, batch in enumerate(timed(self.packed([[self.train_rows[i] for i in b] for b in micro]), self.waited)):
+            self.optimizer.set_lr_scale(lr_scale(pos.step, self.total_steps, cfg))
+            if self.compiler:  # swaps the compiled forward into the model when it is ready
+                self.compiler.start(batch, pos.step)
+                self.compiler.finish(pos.step, block=False)
+            metrics, self.pieces = backward_fitting(self.model, batch, self.pieces, self.multiple, cfg, self.loss_config,
+                                                    self.device, self.params)
+            add_metrics(self.sums, metrics)
+            self.tokens_since += batch["tokens"] * self.world
+            if (k + 1) % cfg.grad_accum and k + 1 < len(micro):
+                continue  # gradient accumulation
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+            self.optimizer.step()
+            pos.step += 1
+            pos.step_in_epoch += 1
+            self.log_progress()
+            val = self.validate(f"step {pos.step}", pos.epoch + 1) if cfg.val_every and pos.step % cfg.val_every == 0 else None
+            self.stop_if_signalled()
+            if cfg.max_steps and pos.step >= cfg.max_steps:
+                return val, False
+            if cfg.save_every and pos.step % cfg.save_every == 0:
+                self.save(f"step_{pos.step}", val)
+        return val, True
+
+    def log_progress(self) -> None:
+        """The first step's time once; every --log-every steps a progress line and a metrics record."""
+        cfg, pos = self.cfg, self.pos
+        if not self.first_step_logged and self.rank == 0:
+            log.info(f"first step done {time.time() - LAUNCH:.1f}s after launch, {time.time() - self.t_loop:.1f}s "
+                     f"after the loop started")
+            self.first_step_logged = True
+        if pos.step % cfg.log_every and pos.step != self.total_steps:
+            return
+        if self.on_gpu:  # the interval ends when its last step's work has run, not when it was queued
+            torch.cuda.synchronize()
+        dt = time.time() - self.t_last
+        s = summarize(self.sums, cfg.ttt_steps)
+        pos.tokens += self.tokens_since
+        lr = self.optimizer.groups[-1]["lr"]
+        waited = self.waited[0] / dt  # the share of the interval the loop waited for the source's next pack
+        if self.rank == 0:
+            log.info(f"step {pos.step}/{self.total_steps} epoch {pos.epoch + 1} loss {s['loss']:.4f} acc "
+                     f"{'/'.join(f'{a:.3f}' for a in s['acc_pos'])} lr {lr:.2e} {cfg.log_every / dt:.2f} "
+                     f"steps/s {self.tokens_since / dt:,.0f} tok/s waited for states {waited:.0%} eta "
+                     f"{fmt_duration((self.total_steps - pos.step) * dt / cfg.log_every)} {memory_summary()}")
+            append_metrics(self.metrics_path, {"split": "train", "step": pos.step, "epoch": pos.epoch + 1, **s,
+                                               "lr": lr, "tokens_per_s": self.tokens_since / dt,
+                                               "states_wait_share": waited})
+        self.t_last, self.tokens_since, self.sums, self.waited[0] = time.time(), 0, {}, 0.0
+
+    def stop_if_signalled(self) -> None:
+        """After SIGTERM or SIGINT: a checkpoint of this step, then Stopped with the command that resumes."""
+        if not self.stop_signal:
+            return
+        self.save(f"step_{self.pos.step}", None)
+        resume = shlex.join([sys.executable, *sys.argv] + ([] if "--resume" in sys.argv else ["--resume"]))
+        raise Stopped(f"stopped by {signal.Signals(self.stop_signal[0]).name} after step {self.pos.step}, checkpoint "
+                      f"saved; resume with: {resume}", self.stop_signal[0])
+
+    def validate(self, tag: str, epoch_no: int) -> dict | None:
         """Validation (eager: a compiled no-grad graph would be a second compile for a few batches), logged."""
-        if compiler:  # the compile thread traces in train mode; after the last step it is only waited for
-            compiler.finish(pos.step, last=pos.step >= total_steps)
-        val = validate(model, packed, val_rows, lengths, cfg, loss_config, device, rank, world,
-                       fn=compiler.eager if compiler else None)
-        if val and rank == 0:
+        if self.compiler:  # the compile thread traces in train mode; after the last step it is only waited for
+            self.compiler.finish(self.pos.step, last=self.pos.step >= self.total_steps)
+        val = validation_metrics(self.model, self.packed, self.val_rows, self.lengths, self.cfg, self.loss_config, self.device,
+                       self.rank, self.world, fn=self.compiler.eager if self.compiler else None)
+        if val and self.rank == 0:
             log.info(f"val {tag}: loss {val['loss']:.4f} acc {'/'.join(f'{a:.3f}' for a in val['acc_pos'])} "
                      f"est. accept len {val['est_accept_len']:.2f}")
-            append_metrics(metrics_path, {"split": "val", "step": pos.step, "epoch": epoch_no, **val})
+            append_metrics(self.metrics_path, {"split": "val", "step": self.pos.step, "epoch": epoch_no, **val})
         return val
 
-    def checkpoint(name: str, val: dict | None) -> None:
-        """`best` is the checkpoint with the highest estimated acceptance length (what serving pays for),
+    def save(self, name: str, val: dict | None) -> None:
+        """A checkpoint. `best` is the one with the highest estimated acceptance length (what serving pays for),
         or with --best-by loss the lowest validation loss."""
+        cfg, pos = self.cfg, self.pos
         score = -math.inf if val is None else val["est_accept_len"] if cfg.best_by == "accept" else -val["loss"]
         is_best = score > pos.best_score
         pos.best_score = max(pos.best_score, score)  # on every rank: validation is reduced, the score the same
-        if rank != 0:
+        if self.rank != 0:
             return
-        state = {**asdict(pos), "settings": settings, "rng": rng_state(), "val": val, "aux_layers": aux,
+        state = {**asdict(pos), "settings": self.settings, "rng": rng_state(), "val": val, "aux_layers": self.aux,
                  "verifier": cfg.verifier_path, "args": asdict(cfg)}
-        path = save_checkpoint(cfg.output_dir, name, model, optimizer, state, is_best)
+        path = save_checkpoint(cfg.output_dir, name, self.model, self.optimizer, state, is_best)
         log.info(f"saved {path}{' (best so far)' if is_best else ''}")
-
-    # ------------------------------------------------ the loop
-    stop_signal = catch_stop_signals()
-    model.train()
-    t_loop = t_last = time.time()
-    tokens_since, sums, val, reached_max_steps, first_step_logged = 0, {}, None, False, False
-    waited = [0.0]  # seconds the loop waited for the source's next pack, since the last log line
-    pieces = 1  # parts each packed batch is trained in: more after an out-of-memory step
-    if rank == 0 and compiler:
-        log.info("torch.compile starts on the first batch" + (
-            "; the first step waits for it" if compiler.wait else ", beside eager steps until it is ready"))
-    while pos.epoch < cfg.epochs and not reached_max_steps:
-        batches = epoch_batches(train_lengths, cfg.pack_tokens, cfg.seed, pos.epoch, rank, world, cfg.grad_accum)
-        micro = batches[pos.step_in_epoch * cfg.grad_accum:]  # a resumed epoch skips the batches it trained
-        for k, batch in enumerate(timed(packed([[train_rows[i] for i in b] for b in micro]), waited)):
-            optimizer.set_lr_scale(lr_scale(pos.step, total_steps, cfg))
-            if compiler:  # swaps the compiled forward into the model when it is ready
-                compiler.start(batch, pos.step)
-                compiler.finish(pos.step, block=False)
-            metrics, pieces = backward_fitting(model, batch, pieces, multiple, cfg, loss_config, device, params)
-            add_metrics(sums, metrics)
-            tokens_since += batch["tokens"] * world
-            if (k + 1) % cfg.grad_accum and k + 1 < len(micro):
-                continue  # gradient accumulation
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            optimizer.step()
-            pos.step += 1
-            pos.step_in_epoch += 1
-            if not first_step_logged and rank == 0:
-                log.info(f"first step done {time.time() - LAUNCH:.1f}s after launch, {time.time() - t_loop:.1f}s "
-                         f"after the loop started")
-                first_step_logged = True
-            if pos.step % cfg.log_every == 0 or pos.step == total_steps:
-                if on_gpu:  # the interval ends when its last step's work has run, not when it was queued
-                    torch.cuda.synchronize()
-                dt = time.time() - t_last
-                s = summarize(sums, cfg.ttt_steps)
-                pos.tokens += tokens_since
-                lr = optimizer.groups[-1]["lr"]
-                if rank == 0:
-                    log.info(f"step {pos.step}/{total_steps} epoch {pos.epoch + 1} loss {s['loss']:.4f} acc "
-                             f"{'/'.join(f'{a:.3f}' for a in s['acc_pos'])} lr {lr:.2e} {cfg.log_every / dt:.2f} "
-                             f"steps/s {tokens_since / dt:,.0f} tok/s waited for states {waited[0] / dt:.0%} eta "
-                             f"{fmt_duration((total_steps - pos.step) * dt / cfg.log_every)} {memory_summary()}")
-                    append_metrics(metrics_path, {"split": "train", "step": pos.step, "epoch": pos.epoch + 1, **s,
-                                                  "lr": lr, "tokens_per_s": tokens_since / dt,
-                                                  "states_wait_share": waited[0] / dt})
-                t_last, tokens_since, sums, waited[0] = time.time(), 0, {}, 0.0
-            val = evaluate(f"step {pos.step}", pos.epoch + 1) if cfg.val_every and pos.step % cfg.val_every == 0 else None
-            if stop_signal:
-                checkpoint(f"step_{pos.step}", None)
-                resume = shlex.join([sys.executable, *sys.argv] + ([] if "--resume" in sys.argv else ["--resume"]))
-                raise Stopped(f"stopped by {signal.Signals(stop_signal[0]).name} after step {pos.step}, checkpoint "
-                              f"saved; resume with: {resume}", stop_signal[0])
-            if cfg.max_steps and pos.step >= cfg.max_steps:
-                reached_max_steps = True
-                break
-            if cfg.save_every and pos.step % cfg.save_every == 0:
-                checkpoint(f"step_{pos.step}", val)
-        else:
-            pos.epoch, pos.step_in_epoch = pos.epoch + 1, 0
-            checkpoint(f"epoch_{pos.epoch}", evaluate(f"epoch {pos.epoch}", pos.epoch))
-    if reached_max_steps:  # the last step's checkpoint (not a second one by --save-every), validated once
-        checkpoint(f"step_{pos.step}", val if val is not None else evaluate(f"step {pos.step}", pos.epoch + 1))
-    if compiler:  # a run shorter than the compile: let its thread end before the process does
-        compiler.finish(pos.step, last=True)
-    if world > 1:
-        torch.distributed.destroy_process_group()
-    best = (f"best est. accept len {pos.best_score:.3f}" if cfg.best_by == "accept"
-            else f"best val loss {-pos.best_score:.4f}")
-    return (f"trained {pos.step} steps; {best if val_rows else 'no validation split'}; "
-            f"checkpoints in {cfg.output_dir}/checkpoints")

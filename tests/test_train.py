@@ -435,6 +435,45 @@ def test_a_states_server_that_is_down_or_stores_other_layers_is_one_line(tmp_pat
 
 
 @pytest.mark.slow
+def test_on_policy_rows_hold_the_servers_replies_masked_and_their_states(tmp_path, data_dir, prepared_dir, verifier,
+                                                                        tokenizer, states_server):
+    """--on-policy: the server writes every reply of a row anew (greedy, at most as long as the row's), each request
+    keeping the states of its generated tokens (include_output_tokens). The new row keeps the row's prompt and user
+    turns in place, its loss mask is 1 on the generated tokens only, its first reply is the verifier's greedy
+    continuation (transformers, float32, as the server runs here), and its states are the ones the server computes
+    for the new row sent as a prompt. 04 trains two steps on such rows and records the option."""
+    from transformers import AutoModelForCausalLM
+    from common.data import load_prepared
+    from common.states_server import StatesClient, runs_of_ones
+    client = StatesClient(states_server, tokenizer, [2, 15, 27, 30], 576)
+    rows = load_prepared(str(prepared_dir))
+    multi = [i for i, m in enumerate(rows["loss_mask"]) if len(runs_of_ones(m)) >= 2]
+    assert multi, "the fixture's rows hold no conversation of two replies"
+    model = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.float32)
+    for i in [0, *multi[:2]]:
+        ids, mask = rows["input_ids"][i], rows["loss_mask"][i]
+        new_ids, new_mask, states = client.on_policy(ids, mask)
+        old, new = runs_of_ones(mask), runs_of_ones(new_mask)
+        assert len(new_ids) == len(new_mask) == states.shape[0] <= len(ids) and states.shape[1:] == (4, 576)
+        assert 1 <= len(new) <= len(old) and sum(new_mask) > 0
+        assert new_ids != ids  # replies the verifier wrote, not ShareGPT's
+        # what is not a reply is the row's: the prompt, and each user turn between replies, in order
+        gaps = lambda t, spans: [t[(spans[k - 1][1] if k else 0):a] for k, (a, _) in enumerate(spans)]  # noqa: E731
+        assert gaps(new_ids, new) == gaps(ids, old)[:len(new)]
+        start, end = new[0]
+        want = model.generate(torch.tensor([ids[:start]]), max_new_tokens=24, do_sample=False)[0, start:].tolist()
+        n = min(len(want), end - start)  # (the row's last token, its final reply's, is left out)
+        assert new_ids[start:start + n] == want[:n]
+        torch.testing.assert_close(states.float(), client.states(new_ids).float(), rtol=1e-3, atol=1e-3)
+    out = tmp_path / "on_policy"
+    proc = stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--max-steps", 2, "--log-every", 1,
+                 "--max-seq-len", 512, "--dtype", "float32", "--num-workers", 2, "--val-ratio", 0.05,
+                 "--states-from", "server", "--states-url", states_server, "--on-policy")
+    assert "--on-policy" in proc.stdout and len(records(out, "train")) == 2
+    assert read_json(out / "checkpoints" / "latest" / "run.json")["args"]["on_policy"] is True
+
+
+@pytest.mark.slow
 def test_torchrun_two_processes_train_as_one_with_the_same_global_batch_and_resume(tmp_path, data_dir):
     """torchrun --nproc-per-node 2 (gloo, the CPU) trains what one process trains with --grad-accum 2: each rank
     takes the packs one process accumulates, DDP averages what accumulation averages. Two steps, then --resume to
