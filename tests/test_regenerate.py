@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from common.data import HELD_OUT_EVERY, load_prepared, load_records, normalize, prepare_rows
+from common.states_server import runs_of_ones
 from conftest import ROOT, assert_user_error, kill, read_json, stage
 
 # short questions get short answers, so replies end by themselves and later turns are regenerated too
@@ -19,17 +20,6 @@ QUESTIONS = [["What is 2+2? Answer with a number only.", "And 3+3?", "Thanks! No
 REGEN = ["--max-seq-len", 320, "--max-new-tokens", 40, "--regen-chunk", 1, "--no-shuffle"]
 
 
-def mask_runs(mask):
-    runs, start = [], None
-    for i, m in enumerate(mask + [0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
-
-
 def assert_greedy(verifier, folder) -> int:
     """Every trained span of every row is what the verifier generates greedily from the row's prefix."""
     from transformers import AutoModelForCausalLM
@@ -37,7 +27,7 @@ def assert_greedy(verifier, folder) -> int:
     spans = 0
     for row in load_prepared(str(folder)):
         ids = row["input_ids"]
-        for start, end in mask_runs(row["loss_mask"]):
+        for start, end in runs_of_ones(row["loss_mask"]):
             prefix = torch.tensor([ids[:start]])
             out = model.generate(prefix, attention_mask=torch.ones_like(prefix), max_new_tokens=end - start,
                                  do_sample=False, eos_token_id=2, pad_token_id=2)[0, start:].tolist()
@@ -66,7 +56,7 @@ def test_rows_hold_the_verifiers_greedy_replies_turn_by_turn(regenerated, verifi
     folder = regenerated / "prepared" / f"rows_0-{len(QUESTIONS)}"
     rows = load_prepared(str(folder))
     assert assert_greedy(verifier, folder) >= 4
-    assert max(len(mask_runs(r["loss_mask"])) for r in rows) >= 2  # later turns were regenerated too
+    assert max(len(runs_of_ones(r["loss_mask"])) for r in rows) >= 2  # later turns were regenerated too
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(verifier)
     assert all("would not write" not in tok.decode(r["input_ids"]) for r in rows)
@@ -74,9 +64,9 @@ def test_rows_hold_the_verifiers_greedy_replies_turn_by_turn(regenerated, verifi
     assert counts["replies"] >= 4 and counts["hit_length_limit"] >= 1  # the essay is cut at 40 tokens
     # a reply cut by the limit is trained without the end-of-turn token the template puts after it,
     # and the conversation goes on (the essay's second turn is regenerated too)
-    cut = [(r, end) for r in rows for _, end in mask_runs(r["loss_mask"]) if r["input_ids"][end - 1] != 2]
+    cut = [(r, end) for r in rows for _, end in runs_of_ones(r["loss_mask"]) if r["input_ids"][end - 1] != 2]
     assert cut and all(r["input_ids"][end] == 2 and not r["loss_mask"][end] for r, end in cut)
-    assert any(end < max(e for _, e in mask_runs(r["loss_mask"])) for r, end in cut)
+    assert any(end < max(e for _, e in runs_of_ones(r["loss_mask"])) for r, end in cut)
 
 
 def test_killed_regeneration_resumes_without_redoing_parts(tmp_path, chats, regenerated):

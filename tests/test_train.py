@@ -474,20 +474,27 @@ def test_on_policy_rows_hold_the_servers_replies_masked_and_their_states(tmp_pat
 
 
 @pytest.mark.slow
-def test_torchrun_two_processes_train_as_one_with_the_same_global_batch_and_resume(tmp_path, data_dir):
+def test_torchrun_two_processes_train_as_one_with_the_same_global_batch_and_resume(tmp_path, data_dir, states_server):
     """torchrun --nproc-per-node 2 (gloo, the CPU) trains what one process trains with --grad-accum 2: each rank
     takes the packs one process accumulates, DDP averages what accumulation averages. Two steps, then --resume to
-    four, under torchrun: the same weights and validation as one process's four steps, one checkpoint per save."""
+    four, under torchrun: the same weights and validation as one process's four steps, one checkpoint per save.
+    Two ranks fed by a states server train the two steps the disk-fed ranks trained."""
     common = ["--data-dir", data_dir, "--max-seq-len", 512, "--lr", 1e-3, "--optimizer", "adamw", "--noise-std", 0,
               "--dtype", "float32", "--val-ratio", 0.1, "--num-workers", 1, "--scheduler", "none", "--warmup-steps", 0,
               "--log-every", 1]
     stage("04_train.py", *common, "--output-dir", tmp_path / "one", "--max-steps", 4, "--grad-accum", 2)
-    for steps, resume in ((2, []), (4, ["--resume"])):
+    server = ["--states-from", "server", "--states-url", states_server]
+    for out, steps, more in (("two", 2, []), ("two", 4, ["--resume"]), ("server", 2, server)):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                               os.path.join(ROOT, "04_train.py"), *map(str, common), "--output-dir", str(tmp_path / "two"),
-                               "--max-steps", str(steps), *resume], capture_output=True, text=True, timeout=1200,
+                               os.path.join(ROOT, "04_train.py"), *map(str, common), "--output-dir", str(tmp_path / out),
+                               "--max-steps", str(steps), *more], capture_output=True, text=True, timeout=1200,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    disk, served = (torch.load(tmp_path / o / "checkpoints" / "step_2" / "training_state.pt", weights_only=False)
+                    for o in ("two", "server"))
+    assert served["val"]["loss"] == pytest.approx(disk["val"]["loss"], rel=1e-3)  # the states' bf16 rounding
+    assert [r["loss"] for r in records(tmp_path / "server", "train")] == pytest.approx(
+        [r["loss"] for r in records(tmp_path / "two", "train")][:2], rel=1e-3)
     one = torch.load(tmp_path / "one" / "checkpoints" / "step_4" / "training_state.pt", weights_only=False)
     two = torch.load(tmp_path / "two" / "checkpoints" / "step_4" / "training_state.pt", weights_only=False)
     assert one["step"] == two["step"] == 4
