@@ -1,5 +1,6 @@
 """Stage 04: train the EAGLE-3 draft on extracted hidden states (the loop; the data is in
 common/loader.py, the background compile in common/compiler.py, checkpoints in common/checkpoint.py)."""
+import gc
 import hashlib
 import json
 import math
@@ -399,7 +400,10 @@ class Trainer:
             self.save(f"epoch_{self.pos.epoch}", self.validate(f"epoch {self.pos.epoch}", self.pos.epoch))
         if self.compiler:  # a run shorter than the compile: let its thread end before the process does
             self.compiler.finish(self.pos.step, last=True)
-        if self.world > 1:
+        if self.world > 1:  # every rank leaves together, DDP (whose reducer holds the process group) before the group
+            torch.distributed.barrier()
+            self.model = self.raw_model
+            gc.collect()
             torch.distributed.destroy_process_group()
         best = (f"best est. accept len {self.pos.best_score:.3f}" if cfg.best_by == "accept"
                 else f"best val loss {-self.pos.best_score:.4f}")
