@@ -66,7 +66,8 @@ def make_inputs(work: str, shape: str, rows: int, seq_len: int, draft_vocab: int
     for i in range(1, rows):
         os.link(os.path.join(hs, "hs_0.safetensors"), os.path.join(hs, f"hs_{i}.safetensors"))
     inputs = {"tokenizer_hash": "bench", "verifier_hash": verifier_fingerprint(config), "prepared_dir": prepared}
-    atomic_write_json(os.path.join(prepared, "manifest.json"), {"stage": "prepare", "inputs": inputs})
+    atomic_write_json(os.path.join(prepared, "manifest.json"), {"stage": "prepare", "inputs": inputs,
+                                                                "counts": {"rows_hash": f"bench-{rows}x{seq_len}"}})
     atomic_write_json(os.path.join(hs, "manifest.json"), {
         "stage": "hidden_states", "inputs": {**inputs, "prepared_manifest_hash": prepared_fingerprint(prepared)}, "aux_layers": aux, "final_layer": config.num_hidden_layers,
         "hidden_size": H, "num_hidden_layers": config.num_hidden_layers})
