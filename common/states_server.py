@@ -107,12 +107,13 @@ class StatesClient:
         """The row with every assistant reply (a run of loss mask 1) written anew by the server, greedy, each at most
         as long as the one it replaces (04 plans its packs from the rows' lengths): (ids, loss mask on the generated
         tokens only, states). A reply that ended with the end-of-turn token is followed by the row's next user turn;
-        one cut at that length ends the row. Each request keeps the states of its generated tokens too
+        one cut at that length ends the row; a reply that opens the row stays as written, unmasked. Each request keeps the states of its generated tokens too
         (kv_transfer_params.include_output_tokens), so the last one holds the states of the whole new row but its
         final token (never fed to the model), which the row leaves out."""
-        spans = runs_of_ones(mask)
+        # a reply that opens the row has no prompt to answer: kept as written, without loss, like the user turns
+        spans = [(a, b) for a, b in runs_of_ones(mask) if a > 0]
         if not spans:
-            return ids, mask, self.states(ids)
+            return ids, [0] * len(ids), self.states(ids)  # nothing generated: nothing to learn from this row
         out, out_mask, cursor, answer = [], [], 0, None
         for start, end in spans:
             if answer is not None:

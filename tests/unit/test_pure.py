@@ -194,6 +194,8 @@ def test_a_config_built_in_code_meets_the_flags_checks():
         TrainConfig(optimizer="adamw", muon_lr=1e-3)
     with pytest.raises(UserError, match="--compile-wait changes how --compile compiles"):
         TrainConfig(compile_wait=True)
+    with pytest.raises(UserError, match="--on-policy has the server write the replies"):
+        TrainConfig(on_policy=True)
     with pytest.raises(UserError, match=r"^--top-p 0.0: must be in \(0, 1\]"):
         RegenConfig(top_p=0.0)
     with pytest.raises(UserError, match=r"^--device gpu: use cuda"):
