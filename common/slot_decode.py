@@ -38,12 +38,12 @@ def check_supported(model) -> None:
                         "sliding windows; use --regen-batching padded, or --regenerate vllm")
 
 
-def flash_decode(q, keys, values, used, max_len: int, scale: float) -> torch.Tensor:
+def flash_decode(q, keys, values, used, max_len: int, scale: float, rows: torch.Tensor) -> torch.Tensor:
     """One query per slot ([slots, heads, dim]) over its own cache row ([slots, max_len, kv heads, dim]) up to
     `used` positions, by the FlashAttention varlen kernel in torch's CUDA build: the op SDPA calls inside, taken
-    directly because SDPA's public call has no per-row key lengths (seqused_k)."""
+    directly because SDPA's public call has no per-row key lengths (seqused_k). `rows` is arange(slots + 1) in
+    int32 (query i is row i; slot i's keys start at i * max_len), made once by the caller, not in every layer."""
     slots = keys.shape[0]
-    rows = torch.arange(slots + 1, dtype=torch.int32, device=q.device)  # query i is row i; slot i's keys start at i * max_len
     flat_k, flat_v = (t.view(slots * max_len, *t.shape[2:]) for t in (keys, values))
     return torch.ops.aten._flash_attention_forward(q, flat_k, flat_v, rows, rows * max_len, 1, max_len, 0.0, False,  # noqa: SLF001
                                                    False, scale=scale, seqused_k=used)[0]
@@ -59,7 +59,7 @@ def flash_works(device, dtype, heads: int, kv_heads: int, head_dim: int) -> bool
         q = torch.randn(2, heads, head_dim, generator=g, device=device, dtype=dtype)
         kv = torch.randn(2, 2, 16, kv_heads, head_dim, generator=g, device=device, dtype=dtype)
         used = torch.tensor([5, 16], dtype=torch.int32, device=device)
-        out = flash_decode(q, kv[0], kv[1], used, 16, head_dim ** -0.5)
+        out = flash_decode(q, kv[0], kv[1], used, 16, head_dim ** -0.5, torch.arange(3, dtype=torch.int32, device=device))
         for r, n in enumerate(used.tolist()):
             k, v = (t[r, :n].transpose(0, 1).repeat_interleave(heads // kv_heads, 0) for t in kv)
             want = F.scaled_dot_product_attention(q[r][:, None], k, v)[:, 0]
@@ -87,6 +87,7 @@ class SlotDecoder:
         self.values = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.slots, self.max_len, self.prefill_tokens = slots, max_len, prefill_tokens
         self.rows = torch.arange(slots, device=p.device)
+        self.flash_rows = torch.arange(slots + 1, dtype=torch.int32, device=p.device)
         self.span = torch.arange(max_len, device=p.device)
         # attention reads the cache only up to the longest position in use, rounded up to one of these
         # spans: a step over the whole max_len read mostly empty cache (its bytes bound the step)
@@ -173,7 +174,8 @@ class SlotDecoder:
             self.keys[i][self.rows, pos] = k[:, :, 0]
             self.values[i][self.rows, pos] = a.v_proj(h).view(n, self.kv_heads, hd)
             if self.flash:
-                o = flash_decode(q[:, :, 0], self.keys[i], self.values[i], used, self.max_len, a.scaling)
+                o = flash_decode(q[:, :, 0], self.keys[i], self.values[i], used, self.max_len, a.scaling,
+                                 self.flash_rows)
             else:
                 o = F.scaled_dot_product_attention(
                     q.reshape(n, self.kv_heads, groups, hd), self.keys[i][:, :span].transpose(1, 2),
@@ -212,7 +214,12 @@ class SlotDecoder:
             owner[slot] = i
             return True
 
-        while queue or owner:
+        # one step in flight: step n + 1 is launched (from step n's tokens, still on the GPU) before the host
+        # reads step n's tokens and ends replies, so the GPU does not wait for the host's bookkeeping (a finished
+        # reply's next turn is tokenized here). A slot whose reply ended at step n runs step n + 1 for nothing;
+        # each step remembers whom it ran for, and a token of a slot since ended or refilled is dropped.
+        pending = None  # (tokens on their way to the host, the event that says they are there, slot -> prompt)
+        while queue or owner or pending:
             # refill once an eighth of the slots is free (or nothing runs): one prefill serves many slots
             while queue and free and (not owner or len(free) >= max(1, self.slots // 8)):
                 group, width = [], 0  # the shortest first, as many as the prefill budget holds (at least one)
@@ -228,13 +235,25 @@ class SlotDecoder:
                     pos[at] = torch.tensor([n for _, _, n in going], device=device)
                     for s, _, n in going:
                         at_pos[s] = n
-            if not owner:
-                continue
-            tokens = pick(self.decode(tokens, pos, max(at_pos[s] for s in owner)))
-            pos = torch.clamp(pos + 1, max=self.max_len - 1)  # free slots run on harmlessly, masked
-            host = tokens.tolist()
-            for slot, i in list(owner.items()):
-                del owner[slot]
-                at_pos[slot] += 1
-                take(slot, i, host[slot])
+            launched = None
+            if owner:  # (a slot that ended unseen may stand at max_len: its step is clamped, and dropped)
+                tokens = pick(self.decode(tokens, pos, min(max(at_pos[s] for s in owner), self.max_len - 1)))
+                pos = torch.clamp(pos + 1, max=self.max_len - 1)  # free slots run on harmlessly, masked
+                for slot in owner:
+                    at_pos[slot] += 1
+                host = tokens.to("cpu", non_blocking=True, copy=True)  # (into pinned memory, from a GPU)
+                ready = torch.cuda.Event() if device.type == "cuda" else None
+                if ready is not None:
+                    ready.record()
+                launched = (host, ready, dict(owner))
+            if pending is not None:
+                host, ready, ran = pending
+                if ready is not None:
+                    ready.synchronize()
+                host = host.tolist()
+                for slot, i in ran.items():
+                    if owner.get(slot) == i:  # else its reply ended at an earlier step
+                        del owner[slot]
+                        take(slot, i, host[slot])
+            pending = launched
         return results
