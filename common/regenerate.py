@@ -122,15 +122,19 @@ class TransformersGenerator:
     def slots(self, prompts, max_new, temperature, top_p, seeds):
         return self.stream(prompts, max_new, temperature, top_p, seeds[0])
 
-    def stream(self, prompts, max_new, temperature, top_p, seed, follow=None):
+    def stream(self, prompts, max_new, temperature, top_p, seed, follow=None, first=None):
         """Replies to `prompts`; `follow(i, reply, finished)` may return a next (prompt, max_new), which is
-        appended to `prompts`/`max_new` and generated in the same run (a conversation's next turn)."""
+        appended to `prompts`/`max_new` and generated in the same run (a conversation's next turn); `first`:
+        the order to start them in (SlotDecoder.generate). Sets `occupancy`: decode steps and the share of
+        slots that held a live reply in them."""
         from common.slot_decode import SlotDecoder
         # a cache of --regen-batch-tokens tokens in rows of --max-seq-len, no more rows than prompts
         rows = max(1, min(len(prompts), self.batch_tokens // self.max_len))
         decoder = SlotDecoder(self.model, rows, self.max_len, prefill_tokens=min(self.batch_tokens, 1 << 15))
-        return decoder.generate(prompts, max_new, sampler(temperature, top_p, seed, self.device), self.eos, follow,
-                                stop=stuck_in_loop)
+        out = decoder.generate(prompts, max_new, sampler(temperature, top_p, seed, self.device), self.eos, follow,
+                               stop=stuck_in_loop, first=first)
+        self.occupancy = (decoder.steps, decoder.busy / max(1, decoder.steps * rows))
+        return out
 
     @torch.no_grad()
     def continuous(self, prompts, max_new, temperature, top_p, seeds):
@@ -289,9 +293,12 @@ def regenerate_part(generate, tokenizer, part: list, cfg: RegenConfig, counts: C
                          f"come), {counts['generated_tokens']:,} tokens, "
                          f"{counts['generated_tokens'] / (shown[0] - t0):,.0f} generated tok/s")
             return nxt
-        generate.stream(prompts, max_new, cfg.temperature, cfg.top_p, cfg.seed, follow)
+        # the conversations with the most replies to come start first (their turns follow one another)
+        first = sorted(range(len(prompts)), key=lambda i: (-len(owners[i]["groups"]), len(prompts[i])))
+        generate.stream(prompts, max_new, cfg.temperature, cfg.top_p, cfg.seed, follow, first)
+        steps, occupancy = generate.occupancy
         log.info(f"  {len(prompts)} replies, {counts['generated_tokens'] / max(time.time() - t0, 1e-9):,.0f} "
-                 "generated tok/s")
+                 f"generated tok/s; {steps:,} decode steps, slots {occupancy:.0%} busy")
         turns = 0  # no rounds left
     else:
         turns = max((len(s.get("groups", [])) for s in states), default=0)

@@ -184,13 +184,21 @@ class SlotDecoder:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.lm_head(self.inner.norm(x)[:, 0]).float()
 
-    def generate(self, prompts, max_new, pick, eos: int, follow=None, stop=None) -> list[tuple[list[int], bool]]:
+    def generate(self, prompts, max_new, pick, eos: int, follow=None, stop=None,
+                 first=None) -> list[tuple[list[int], bool]]:
         """Replies to `prompts`, each up to its max_new tokens or its eos; `pick(logits)` chooses tokens.
         `follow(i, reply, finished)`, called as reply i ends, may return a new (prompt, max_new): it is
         appended to `prompts` and `max_new` and queued, so a conversation's next turn needs no new batch.
-        `stop(reply)`, if given, ends a reply early as if cut by its length limit (a greedy loop, say)."""
+        `stop(reply)`, if given, ends a reply early as if cut by its length limit (a greedy loop, say).
+        `first`, if given, is the order in which the prompts start (the conversations with the most turns to
+        come first), and a next turn goes to the front of the queue: long conversations are under way from the
+        start and go on as soon as they can, rather than running last with most slots idle. Without it the
+        shortest prompts start first and a next turn waits at the back. `steps` and `busy` count the decode
+        steps and the slots that held a live reply in them (busy / (steps * slots): the cache's occupancy)."""
         device = self.keys.device
-        queue = deque(sorted(range(len(prompts)), key=lambda i: len(prompts[i])))  # similar lengths prefill together
+        # similar lengths prefill together unless the caller orders them
+        queue = deque(first if first is not None else sorted(range(len(prompts)), key=lambda i: len(prompts[i])))
+        self.steps = self.busy = 0
         replies = [[] for _ in prompts]
         results = [None] * len(prompts)
         owner = {}  # slot -> prompt index
@@ -209,7 +217,7 @@ class SlotDecoder:
                     max_new.append(nxt[1])
                     replies.append([])
                     results.append(None)
-                    queue.append(len(prompts) - 1)
+                    (queue.append if first is None else queue.appendleft)(len(prompts) - 1)
                 return False
             owner[slot] = i
             return True
@@ -241,6 +249,7 @@ class SlotDecoder:
                 pos = torch.clamp(pos + 1, max=self.max_len - 1)  # free slots run on harmlessly, masked
                 for slot in owner:
                     at_pos[slot] += 1
+                self.steps, self.busy = self.steps + 1, self.busy + len(owner)
                 host = tokens.to("cpu", non_blocking=True, copy=True)  # (into pinned memory, from a GPU)
                 ready = torch.cuda.Event() if device.type == "cuda" else None
                 if ready is not None:
