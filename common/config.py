@@ -138,6 +138,9 @@ class TrainConfig:
     ttt_steps: int = option(3, "test-time-training unroll: draft positions trained", check=number(int, 1))
     ttt_loss_decay: float = option(1.0, "loss weight multiplier per TTT step", check=number(float, 0, low_open=True))
     noise_std: float = option(0.05, "Gaussian noise on input hidden states (train only)", check=number(float, 0))
+    noise_scale: str = option("absolute", "how --noise-std reads: absolute (the noise's std, one for every aux layer) "
+                                          "or rms (a share of each aux layer's RMS in the batch, as the layers' states "
+                                          "differ in scale)", choices=["absolute", "rms"])
     loss: str = option("kl_div", "speculators loss name (kl_div, ce, ...) or a JSON dict of weights")
     loss_implementation: str = option("eager", "on a GPU: fused (Triton) or eager; the CPU always uses eager",
                                       choices=["eager", "fused"])

@@ -165,6 +165,7 @@ def resume_settings(cfg, aux, verifier_hash: str, data_hash: str, vocab_hash: st
             "aux layers": aux, "--ttt-steps": cfg.ttt_steps, "--ttt-loss-decay": cfg.ttt_loss_decay,
             "--loss": cfg.loss, "--pack-tokens": cfg.pack_tokens, "--grad-accum": cfg.grad_accum,
             "--val-ratio": cfg.val_ratio, "--seed": cfg.seed, "--noise-std": cfg.noise_std,
+            "--noise-scale": cfg.noise_scale,
             "--norm-before-fc": cfg.norm_before_fc, "--norm-output": cfg.norm_output, "--optimizer": cfg.optimizer,
             "--draft-layers": cfg.draft_layers, "--draft-intermediate-size": cfg.draft_intermediate_size or verifier_mlp,
             "--scheduler": cfg.scheduler, "--warmup-steps": cfg.warmup_steps, "--warmup-ratio": cfg.warmup_ratio,
@@ -243,11 +244,22 @@ def draft_attention(cfg, on_gpu: bool) -> str:
     return FLEX if flex else "sdpa"
 
 
+def noised(hs: torch.Tensor, hidden: int, std: float, scale: str) -> torch.Tensor:
+    """The aux states ([..., aux layers * hidden]) plus Gaussian noise of `std` (scale "absolute") or of `std`
+    times each aux layer's RMS over the batch (scale "rms"): an early layer's states are far smaller than a late
+    one's, so one absolute std is much noise for the one and none for the other."""
+    if scale == "absolute":
+        return hs + std * torch.randn_like(hs)
+    layers = hs.unflatten(-1, (-1, hidden))
+    rms = layers.float().pow(2).mean(dim=[d for d in range(layers.dim()) if d != layers.dim() - 2], keepdim=True).sqrt()
+    return (layers + (std * rms).to(hs.dtype) * torch.randn_like(layers)).flatten(-2)
+
+
 def forward(model, batch: dict, cfg, loss_config, device, noise: bool):
     """The draft's TTT forward on one packed batch: (loss, speculators' metrics)."""
     hs = batch["hidden_states"]
     if noise and cfg.noise_std > 0:  # augmentation of the train split only
-        hs = hs + cfg.noise_std * torch.randn_like(hs)
+        hs = noised(hs, batch["verifier_last_hidden_states"].shape[-1], cfg.noise_std, cfg.noise_scale)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
         _, loss, metrics = model(
             hidden_states=hs, input_ids=batch["input_ids"], document_ids=batch["document_ids"],

@@ -25,7 +25,7 @@
 #          ttt5 (--ttt-steps 5), lk (--loss lk_hybrid), lN (--draft-layers N, 1-9; the config's is l2 since the
 #          evening of 2026-12-04), wK (--draft-intermediate-size 1536*K, K times the verifier's MLP, K 1-99; the
 #          config's is w8 since 2026-12-04, w1 the verifier's own),
-#          lr2 (--lr 2e-3), v16k (a 16,384-token draft vocabulary, the config's until 2026-12-04, when the ablation
+#          lr2 (--lr 2e-3), nrms (--noise-scale rms: noise as a share of each aux layer's RMS), v16k (a 16,384-token draft vocabulary, the config's until 2026-12-04, when the ablation
 #          v32k measured its 32,768), or several joined by + (l3+v16k);
 #          ABL=1 is "ttt5 lk l1 w4". Trainings started several at once on the one GPU have died with
 #          'unspecified launch failure' (seven crashes in three runs, at random steps, also with --compile-wait;
@@ -48,11 +48,11 @@ abl_flags() {  # NAME[+NAME...] -> its 04 flags over the config
   local part
   for part in ${1//+/ }; do
     case $part in
-      ttt5) echo --ttt-steps 5 ;; lk) echo --loss lk_hybrid ;; lr2) echo --lr 2e-3 ;;
+      ttt5) echo --ttt-steps 5 ;; lk) echo --loss lk_hybrid ;; lr2) echo --lr 2e-3 ;; nrms) echo --noise-scale rms ;;
       l[1-9]) echo --draft-layers ${part#l} ;;
       w[1-9]|w[1-9][0-9]) echo --draft-intermediate-size $((1536 * ${part#w})) ;;
       v16k) echo --vocab-mapping-dir $W/v16k ;;
-      *) echo "ABL: unknown ablation $part in $1 (ttt5 lk lN wK lr2 v16k, joined by +)" >&2; return 2 ;;
+      *) echo "ABL: unknown ablation $part in $1 (ttt5 lk lN wK lr2 nrms v16k, joined by +)" >&2; return 2 ;;
     esac
   done
 }

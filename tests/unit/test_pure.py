@@ -12,7 +12,7 @@ from common.errors import UserError
 from common.extract import plan_batches
 from common.loader import epoch_batches, split_rows
 from common.regenerate import LOOP_STOP_TOKENS, cut_loop, stuck_in_loop
-from common.train import lr_scale
+from common.train import lr_scale, noised
 from common.vocab import build_mapping
 
 
@@ -83,6 +83,16 @@ def test_cut_loop_keeps_two_periods_of_a_repeating_tail():
     assert not stuck_in_loop(looped)  # 60 repeating tokens: below the stop length
     long_loop = text + [4, 2] * LOOP_STOP_TOKENS
     assert stuck_in_loop(long_loop[:len(long_loop) // 16 * 16])
+
+
+def test_noise_is_absolute_or_a_share_of_each_aux_layers_rms():
+    torch.manual_seed(0)
+    hidden, scales = 64, [1.0, 50.0]  # an early layer's states are small, a late one's large
+    hs = torch.cat([s * torch.randn(2, 512, hidden) for s in scales], dim=-1)
+    for scale, want in [("absolute", [0.1, 0.1]), ("rms", [0.1 * s for s in scales])]:
+        noise = (noised(hs, hidden, 0.1, scale) - hs).unflatten(-1, (2, hidden))
+        got = [noise[..., i, :].std().item() for i in range(2)]
+        assert got == pytest.approx(want, rel=0.05), scale
 
 
 def test_number_checks_ranges_and_nan_in_one_line():
