@@ -43,7 +43,7 @@ def states_source(cfg: TrainConfig, text_config, verifier_hash: str):
     tokenizer = load_tokenizer(cfg.verifier_path, cfg.trust_remote_code)
     if cfg.states_from == "server":
         return ServerStates(cfg.data_dir, cfg.vocab_mapping_dir, text_config, cfg.layers, cfg.states_url, tokenizer,
-                            cfg.on_policy)
+                            cfg.on_policy, cfg.verifier_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # as 03 pads
     return ColocatedStates(cfg.data_dir, cfg.vocab_mapping_dir, text_config, cfg.layers, cfg.verifier_path,
                            cfg.trust_remote_code, pad_id)

@@ -72,10 +72,13 @@ class ServerStates(PreparedRows):
     `on_policy`, of the rows with every reply generated anew by the server (StatesClient.on_policy)."""
     name = "server"
 
-    def __init__(self, data_dirs, vocab_dir, text_config, layers, url: str, tokenizer, on_policy: bool = False):
+    def __init__(self, data_dirs, vocab_dir, text_config, layers, url: str, tokenizer, on_policy: bool = False,
+                 verifier: str | None = None):
         super().__init__(data_dirs, vocab_dir, text_config, layers)
-        from common.states_server import StatesClient
-        self.client = StatesClient(url, tokenizer, [*self.aux, text_config.num_hidden_layers], text_config.hidden_size)
+        from common.states_server import StatesClient, verifier_head
+        head = verifier_head(verifier, text_config.rms_norm_eps) if verifier else None  # checks the server's weights
+        self.client = StatesClient(url, tokenizer, [*self.aux, text_config.num_hidden_layers], text_config.hidden_size,
+                                   head=head)
         self.on_policy = on_policy
         if on_policy:  # other rows than 01's: a run does not resume from one trained on the rows as written
             self.fingerprint = sha256_json([self.fingerprint, "on-policy"])

@@ -48,6 +48,25 @@ def serve_command(verifier: str, layer_ids: list[int], storage: str, host: str, 
 
 
 PROBE = "The quick brown fox jumps over the lazy dog."  # what the tokenizer check encodes on both sides
+HEAD_TOLERANCE = 0.25  # nats a token: bf16 rounding stays well below, another model's weights well above
+
+
+def verifier_head(verifier: str, eps: float):
+    """The verifier's final RMSNorm and lm_head (its embedding where tied), read from its shards: last-layer states
+    [tokens, hidden] -> full-vocabulary log-probabilities, to check that a server runs the same weights."""
+    from speculators.utils.loading import load_model_layers
+    w = load_model_layers(["model.norm.weight"], verifier)
+    try:
+        w.update(load_model_layers(["lm_head.weight"], verifier))
+    except (KeyError, ValueError):  # a tied head
+        w.update(load_model_layers(["embed_tokens.weight"], verifier))
+    head, norm = w.get("lm_head.weight", w.get("embed_tokens.weight")), w["model.norm.weight"].float()
+
+    def logprobs(h: torch.Tensor) -> torch.Tensor:
+        h = h.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm
+        return (h.to(head.dtype) @ head.T).float().log_softmax(-1)
+    return logprobs
 
 
 class StatesClient:
@@ -56,7 +75,7 @@ class StatesClient:
     tokenizer or verifier, or stores other layers is a one-line error naming the URL and what differs."""
 
     def __init__(self, url: str, tokenizer, layer_ids: list[int], hidden_size: int, tries: int = 3,
-                 timeout: float = 600.0, file_wait: float = 60.0):
+                 timeout: float = 600.0, file_wait: float = 60.0, head=None):
         self.url, self.tries, self.timeout, self.file_wait = url.rstrip("/"), tries, timeout, file_wait
         try:
             models = self._call("GET", "/v1/models", None, tries=1, timeout=10)["data"]
@@ -75,10 +94,22 @@ class StatesClient:
         if theirs.get("tokens") != tokenizer.encode(PROBE, add_special_tokens=False):
             raise UserError(f"--states-url {self.url} serves '{self.model}', whose tokenizer is not --verifier-path's: "
                             "serve the verifier you train for")
-        states = self.states(tokenizer.encode(PROBE, add_special_tokens=False))
+        probe = tokenizer.encode(PROBE, add_special_tokens=False)
+        answer = self._call("POST", "/v1/completions", {"model": self.model, "prompt": probe, "max_tokens": 1,
+                                                        "prompt_logprobs": 0})
+        states = self._read(answer, probe)
         if states.shape[-1] != hidden_size:
             raise UserError(f"--states-url {self.url} serves '{self.model}' with hidden size {states.shape[-1]}, "
                             f"--verifier-path has {hidden_size}: serve the verifier you train for")
+        if head is not None:  # one family's base and instruct models share tokenizer and widths, not weights
+            theirs = torch.tensor([d[str(t)]["logprob"] for d, t in
+                                   zip(answer["choices"][0]["prompt_logprobs"][1:], probe[1:])])
+            ours = head(states[:-1, -1]).gather(1, torch.tensor(probe[1:])[:, None])[:, 0]
+            gap = (ours - theirs).abs().mean().item()
+            if gap > HEAD_TOLERANCE:
+                raise UserError(f"--states-url {self.url} serves '{self.model}', whose log-probabilities of a probe "
+                                f"sentence differ from --verifier-path's head on the server's own last-layer states "
+                                f"by {gap:.2f} nats a token: it serves another verifier; serve the one you train for")
 
     def _call(self, method: str, path: str, body, tries: int = 0, timeout: float = 0) -> dict:
         data = None if body is None else json.dumps(body).encode()

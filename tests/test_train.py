@@ -422,11 +422,23 @@ def test_states_computed_while_training_give_disks_losses_and_resume(tmp_path, d
 
 
 @pytest.mark.slow
-def test_a_states_server_that_is_down_or_stores_other_layers_is_one_line(tmp_path, data_dir, states_server):
+def test_a_states_server_that_is_down_or_stores_other_layers_is_one_line(tmp_path, data_dir, states_server, verifier):
+    from safetensors.torch import save_file
+    # another verifier with the same tokenizer and widths (a fine-tune of it, say): here its final norm scaled
+    other = tmp_path / "other_verifier"
+    other.mkdir()
+    for name in os.listdir(verifier):
+        if name != "model.safetensors":
+            os.symlink(os.path.join(verifier, name), other / name)
+    weights = load_file(os.path.join(verifier, "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.5
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
     common = ["04_train.py", "--data-dir", data_dir, "--output-dir", tmp_path / "out", "--max-steps", 1]
     cases = [(["--states-from", "server", "--states-url", "http://127.0.0.1:9"], "no vLLM server answers"),
              (["--states-from", "server", "--states-url", states_server, "--layers", 3, 10, 20],
               "stores layers [2, 15, 27, 30], this run trains on [3, 10, 20, 30]"),
+             (["--states-from", "server", "--states-url", states_server, "--verifier-path", other],
+              "it serves another verifier"),
              (["--states-url", states_server], "--states-from server needs --states-url"),
              (["--layers", 3, 10, 20], "--layers chooses the layers colocated and server sources compute")]
     for flags, words in cases:
