@@ -76,7 +76,8 @@ class ServerStates(PreparedRows):
                  verifier: str | None = None):
         super().__init__(data_dirs, vocab_dir, text_config, layers)
         from common.states_server import StatesClient, verifier_head
-        head = verifier_head(verifier, text_config.rms_norm_eps) if verifier else None  # checks the server's weights
+        gemma = text_config.model_type.startswith("gemma")  # its norm scales by 1 + weight
+        head = verifier_head(verifier, text_config.rms_norm_eps, float(gemma)) if verifier else None  # checks the server
         self.client = StatesClient(url, tokenizer, [*self.aux, text_config.num_hidden_layers], text_config.hidden_size,
                                    head=head)
         self.on_policy = on_policy

@@ -51,16 +51,17 @@ PROBE = "The quick brown fox jumps over the lazy dog."  # what the tokenizer che
 HEAD_TOLERANCE = 0.25  # nats a token: bf16 rounding stays well below, another model's weights well above
 
 
-def verifier_head(verifier: str, eps: float):
+def verifier_head(verifier: str, eps: float, offset: float = 0.0):
     """The verifier's final RMSNorm and lm_head (its embedding where tied), read from its shards: last-layer states
-    [tokens, hidden] -> full-vocabulary log-probabilities, to check that a server runs the same weights."""
+    [tokens, hidden] -> full-vocabulary log-probabilities, to check that a server runs the same weights. `offset`:
+    1 where the norm scales by 1 + weight (Gemma's), 0 where by the weight (Llama, Qwen, DeepSeek)."""
     from speculators.utils.loading import load_model_layers
     w = load_model_layers(["model.norm.weight"], verifier)
     try:
         w.update(load_model_layers(["lm_head.weight"], verifier))
     except (KeyError, ValueError):  # a tied head
         w.update(load_model_layers(["embed_tokens.weight"], verifier))
-    head, norm = w.get("lm_head.weight", w.get("embed_tokens.weight")), w["model.norm.weight"].float()
+    head, norm = w.get("lm_head.weight", w.get("embed_tokens.weight")), w["model.norm.weight"].float() + offset
 
     def logprobs(h: torch.Tensor) -> torch.Tensor:
         h = h.float()
