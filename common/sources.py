@@ -77,7 +77,7 @@ class ServerStates(PreparedRows):
         super().__init__(data_dirs, vocab_dir, text_config, layers)
         from common.states_server import StatesClient, verifier_head
         gemma = text_config.model_type.startswith("gemma")  # its norm scales by 1 + weight
-        head = verifier_head(verifier, text_config.rms_norm_eps, float(gemma)) if verifier else None  # checks the server
+        head = verifier_head(verifier, getattr(text_config, "rms_norm_eps", 1e-6), float(gemma)) if verifier else None  # checks the server
         self.client = StatesClient(url, tokenizer, [*self.aux, text_config.num_hidden_layers], text_config.hidden_size,
                                    head=head)
         self.on_policy = on_policy
