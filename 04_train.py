@@ -13,7 +13,7 @@ from common.errors import UserError
 from common.cli import add_verifier_flags, run_stage, stage_parser
 from common.config import TrainConfig, add_options, from_args
 from common.manifest import output_lock
-from common.layout import DataDir, RunDir
+from common.layout import RunDir, default_vocab_dir
 from common.verifier import (compute_dtype, load_text_config, load_tokenizer, remote_code_needed, resolve_verifier,
                              verifier_fingerprint)
 
@@ -25,14 +25,6 @@ def build_parser():
     add_verifier_flags(p)
     add_options(p, TrainConfig)  # each flag's default, help and check: common/config.py
     return p
-
-
-def default_vocab_dir(data_dirs: list[str]) -> str:
-    """The vocab_mapping folder of the data dir that holds the first data folder."""
-    vocab = DataDir.holding(data_dirs[0]).vocab_mapping
-    if os.path.isdir(vocab):
-        return vocab
-    raise UserError(f"no vocab_mapping folder near {data_dirs[0]}; pass --vocab-mapping-dir or run 02_build_vocab_mapping.py")
 
 
 def states_source(cfg: TrainConfig, text_config, verifier_hash: str):

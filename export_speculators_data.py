@@ -7,6 +7,8 @@ hidden_states/rows_A-B folders and vocab_mapping/. This writes the merged rows (
 
     python export_speculators_data.py --data-dir data --output-dir data/speculators
     python -m speculators.train --data-path data/speculators --draft-vocab-size N ...
+
+Several data dirs (original and regenerated rows, say) export as one, as 04 trains on them with one vocab mapping.
 """
 import os
 
@@ -14,8 +16,9 @@ import numpy as np
 
 from common.cli import run_stage, stage_parser
 from common.data import load_prepared
-from common.layout import DataDir
-from common.rows import check_row_file, row_file
+from common.layout import default_vocab_dir
+from common.loader import collect_rows
+from common.rows import row_file
 from common.manifest import atomic_dir, extracted_from, find_stage_dirs, output_lock, read_manifest
 
 STAGE = "export_speculators_data"
@@ -23,30 +26,30 @@ STAGE = "export_speculators_data"
 
 def build_parser():
     p = stage_parser(STAGE, __doc__)
-    p.add_argument("--data-dir", default="data", help="data root holding prepared/, vocab_mapping/ and hidden_states/")
-    p.add_argument("--output-dir", help="the speculators data folder to write (default: <data-dir>/speculators)")
+    p.add_argument("--data-dir", nargs="+", default=["data"],
+                   help="one or more data roots (or their hidden_states/rows_A-B folders) with prepared/ beside")
+    p.add_argument("--vocab-mapping-dir", help="output of stage 02 (default: the vocab_mapping folder beside the first "
+                                               "data dir)")
+    p.add_argument("--output-dir", help="the speculators data folder to write (default: <first data dir>/speculators)")
     return p
 
 
 def run(args):
-    out = os.path.abspath(args.output_dir or os.path.join(args.data_dir, "speculators"))
+    out = os.path.abspath(args.output_dir or os.path.join(args.data_dir[0], "speculators"))
     with output_lock(os.path.dirname(out), f".lock.{os.path.basename(out)}"):  # one run writes it
         return export(args, out)
 
 
 def export(args, out: str) -> str:
     import datasets
-    vocab = DataDir(args.data_dir).vocab_mapping
-    read_manifest(vocab, "vocab_mapping")
-    folders = find_stage_dirs(args.data_dir, "hidden_states")
-    shards, links = [], []
-    for folder in folders:
-        manifest = read_manifest(folder, "hidden_states")
-        rows = load_prepared(extracted_from(folder, manifest)).select_columns(["input_ids", "loss_mask", "seq_len"])
-        for i, n_tokens in enumerate(rows["seq_len"]):  # whole files only: speculators would meet a torn one hours in
-            check_row_file(row_file(folder, i), n_tokens, len(manifest["aux_layers"]) + 1, manifest["hidden_size"])
-        links += [os.path.abspath(row_file(folder, i)) for i in range(len(rows))]
-        shards.append(rows)
+    vocab = args.vocab_mapping_dir or default_vocab_dir(args.data_dir)
+    first = read_manifest(find_stage_dirs(args.data_dir, "hidden_states")[0], "hidden_states")
+    # 04's checks: one verifier, one set of layers, a mapping for these rows, whole files only (speculators would
+    # meet a torn one hours in)
+    files, _, _, folders = collect_rows(args.data_dir, vocab, first["inputs"]["verifier_hash"], first["hidden_size"])
+    links = [os.path.abspath(f) for f in files]
+    shards = [load_prepared(extracted_from(f, read_manifest(f, "hidden_states"))).select_columns(
+        ["input_ids", "loss_mask", "seq_len"]) for f in folders]
     n = len(np.load(os.path.join(vocab, "d2t.npy")))
     with atomic_dir(out) as tmp:
         merged = datasets.concatenate_datasets(shards)

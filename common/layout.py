@@ -8,6 +8,8 @@ and `training.png` (04). Either holds `logs/<stage>.log`.
 import os
 from dataclasses import dataclass
 
+from common.errors import UserError
+
 PREPARED, REGENERATED, HIDDEN_STATES, VOCAB_MAPPING = "prepared", "regenerated", "hidden_states", "vocab_mapping"
 STAGE_FOLDERS = (PREPARED, REGENERATED, HIDDEN_STATES)  # the folders that hold rows_A-B shards
 
@@ -103,3 +105,11 @@ class RunDir:
     @property
     def plot(self) -> str:
         return os.path.join(self.root, "training.png")
+
+
+def default_vocab_dir(data_dirs: list[str]) -> str:
+    """The vocab_mapping folder of the data dir that holds the first data folder."""
+    vocab = DataDir.holding(data_dirs[0]).vocab_mapping
+    if os.path.isdir(vocab):
+        return vocab
+    raise UserError(f"no vocab_mapping folder near {data_dirs[0]}; pass --vocab-mapping-dir or run 02_build_vocab_mapping.py")

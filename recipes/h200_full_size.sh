@@ -11,10 +11,10 @@
 #          end within $REGEN_S seconds of the start, judged by the one before it in its lane.
 #          BENCH=1 first runs bench/bench_regen.py ($BENCH_PROMPTS prompts, more flags in BENCH_FLAGS: padded
 #          against slots by default) into logs/bench_regen.out, beside 01 on the CPU.
-#   then:  B (ours on regen), C (speculators' own trainer on exactly B's data and epochs, C=1),
-#          D (ours on orig + regen: every conversation twice, once with each reply; $D_EPOCHS epochs), the
-#          others $EPOCHS epochs; B=0 skips b; all use orig's vocab mapping. Without regenerated data, C trains
-#          on orig (the 2026-12-03 runs a and c).
+#   then:  B (ours on regen), C (speculators' own trainer on exactly B's data and epochs, C=1; with C_ON=d on
+#          D's data and epochs instead), D (ours on orig + regen: every conversation twice, once with each reply;
+#          $D_EPOCHS epochs, more 04 flags in DFLAGS; D=0 skips d), the others $EPOCHS epochs; B=0 skips b; all use orig's vocab
+#          mapping. Without regenerated data, C trains on orig (the 2026-12-03 runs a and c).
 #   ORIG=0: no orig at all (nor a, ABL, d): the regenerated rows get their own vocab mapping and b trains on them.
 #   RFLAGS="...": more 01 flags for the regeneration (--regen-batch-tokens, --temperature, ...).
 #   RW=DIR: where the regenerated rows and their states go ($W/regen; another disk, /dev/shm say, when orig's
@@ -42,7 +42,7 @@ W=${W:-/tmp/e3}; N=${N:-17671}; SHARDS=${SHARDS:-8}; RSHARD=${RSHARD:-2000}; REG
 NREGEN=${NREGEN:-4000}; EPOCHS=${EPOCHS:-3}; PY=${PY:-python3}; CFG=${CFG:-configs/full-size.yaml}; C=${C:-0}
 A=${A:-1}; BENCH=${BENCH:-0}; ABL=${ABL:-}; LONG=${LONG:-0}; LONG_LENS=${LONG_LENS:-32768 16384 8192}
 ORIG=${ORIG:-1}; RFLAGS=${RFLAGS:-}; RW=${RW:-$W/regen}; RPAR=${RPAR:-1}; B=${B:-1}; D_EPOCHS=${D_EPOCHS:-$EPOCHS}; DEADLINE=${DEADLINE:-0}; BENCH_PROMPTS=${BENCH_PROMPTS:-256}
-BENCH_FLAGS=${BENCH_FLAGS:-}
+BENCH_FLAGS=${BENCH_FLAGS:-}; C_ON=${C_ON:-b}; DFLAGS=${DFLAGS:-}; D=${D:-1}
 [ "$ABL" = 1 ] && ABL="ttt5 lk l1 w4"; [ "$ABL" = 0 ] && ABL=
 abl_flags() {  # NAME[+NAME...] -> its 04 flags over the config
   local part
@@ -138,15 +138,19 @@ if ls -d $RW/prepared/rows_* > /dev/null 2>&1; then
   $PY 03_extract_hidden_states.py --config $CFG --data-dir $RW > $W/logs/03_regen.out 2>&1
   say "03 regen: $(tail -1 $W/logs/03_regen.out)"; wait $! 2>/dev/null
   [ "$B" = 1 ] && train b --data-dir $RW --vocab-mapping-dir $MAP &
-  [ "$ORIG" = 1 ] && EPOCHS=$D_EPOCHS train d --data-dir $W/orig $RW --vocab-mapping-dir $MAP &
-  CDATA=$RW
+  [ "$ORIG" = 1 ] && [ "$D" = 1 ] && EPOCHS=$D_EPOCHS train d --data-dir $W/orig $RW --vocab-mapping-dir $MAP $DFLAGS &
+  CDATA=$RW; CMAP=$RW/vocab_mapping; CEPOCHS=$EPOCHS
+  [ "$C_ON" = d ] && { CDATA="$W/orig $RW"; CMAP=$MAP; CEPOCHS=$D_EPOCHS; }
 fi
 if [ "$C" = 1 ]; then
-  $PY export_speculators_data.py --data-dir $CDATA > $W/logs/export.out 2>&1
+  CMAP=${CMAP:-$CDATA/vocab_mapping}
+  $PY export_speculators_data.py --data-dir $CDATA --vocab-mapping-dir $CMAP --output-dir $W/speculators \
+    > $W/logs/export.out 2>&1
   V=$($PY -c "from common.verifier import ensure_default_verifier as e; print(e())")
-  VOCAB=$($PY -c "import numpy; print(len(numpy.load('$CDATA/vocab_mapping/d2t.npy')))")  # the mapping 02 made
-  ( $PY -m speculators.train --verifier-name-or-path $V --data-path $CDATA/speculators --draft-vocab-size $VOCAB \
-      --hidden-states-backend fp8 --save-path $W/out_c --epochs $EPOCHS --loss-implementation eager > $W/logs/04_c.out 2>&1 \
+  VOCAB=$($PY -c "import numpy; print(len(numpy.load('$CMAP/d2t.npy')))")  # the mapping 02 made
+  ( $PY -m speculators.train --verifier-name-or-path $V --data-path $W/speculators --draft-vocab-size $VOCAB \
+      --hidden-states-backend fp8 --save-path $W/out_c --epochs ${CEPOCHS:-$EPOCHS} --loss-implementation eager \
+      > $W/logs/04_c.out 2>&1 \
       || { say "c failed: $(tail -1 $W/logs/04_c.out)"; exit 1; }
     last=$W/out_c/checkpoint_best; [ -e $last ] || last=$(ls -d $W/out_c/[0-9]*/ | sort -V | tail -1)
     $PY recipes/slim_checkpoint.py strip $last $W/slim/c && tar -C $W/slim -cf $W/results/c.tar c \

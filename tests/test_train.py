@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -327,6 +328,13 @@ def test_speculators_reads_the_exported_data_dir(tmp_path, data_dir, hs_dir):
         assert item["input_ids"].tolist() == prepared[i]["input_ids"]  # it returns SampleUnavailable on a mismatch
         assert item["loss_mask"].tolist() == prepared[i]["loss_mask"]
         assert item["hidden_states"].shape[-1] == 3 * read_json(hs_dir / "manifest.json")["hidden_size"]
+    # two data dirs (original and regenerated rows, say) export as one, with the first one's vocab mapping
+    copy = tmp_path / "copy"
+    shutil.copytree(data_dir, copy, ignore=shutil.ignore_patterns("speculators", "logs", ".lock*"))
+    stage("export_speculators_data.py", "--data-dir", data_dir, copy, "--output-dir", tmp_path / "both")
+    both = ArrowDataset(max_len=4096, datapath=str(tmp_path / "both"), on_missing="raise")
+    assert len(both) == 2 * len(prepared)
+    assert both[len(prepared)]["input_ids"].tolist() == prepared[0]["input_ids"]
 
 
 @pytest.mark.slow
