@@ -7,7 +7,7 @@ from collections import Counter
 from common.errors import UserError
 from common.cli import add_verifier_flags, check_cuda, parse_rows, run_stage, stage_parser
 from common.config import RegenConfig, add_options, from_args, number, resolved
-from common.data import is_held_out, load_records, normalize, prepare_rows, rows_hash
+from common.data import SELF_WRITTEN, WRITE_PROMPT, is_held_out, load_records, normalize, prepare_rows, rows_hash
 from common.layout import DataDir, shard
 from common.log import Progress, log
 from common.manifest import atomic_dir, output_lock, write_manifest
@@ -21,7 +21,10 @@ def build_parser():
     p = stage_parser(STAGE, __doc__)
     add_verifier_flags(p)
     p.add_argument("--dataset", default="sharegpt",
-                   help="'sharegpt' (built in), a local .json/.jsonl/.parquet file, or a datasets.load_dataset name")
+                   help="'sharegpt' (built in); 'self-written': prompts the verifier writes itself from its chat "
+                        "template's user header (Magpie), sampled, then answered (needs --regenerate, and "
+                        "--num-samples or --rows for how many); a local .json/.jsonl/.parquet file; or a "
+                        "datasets.load_dataset name")
     p.add_argument("--split", default="train", help="split to read from a Hugging Face dataset")
     p.add_argument("--data-dir", default="data", help="data root; rows go to <data-dir>/prepared/rows_A-B")
     p.add_argument("--max-seq-len", type=number(int, 1), default=2048, help="truncate each row to this many tokens")
@@ -56,7 +59,15 @@ def run(args):
     if tokenizer.chat_template is None:
         raise UserError(f"the tokenizer of {verifier} has no chat template; use a chat (instruct) model's folder")
     notes = {}  # what the reader noticed (a cut-off tail), reported in the manifest
-    records = load_records(args.dataset, args.split, notes)
+    if args.dataset == SELF_WRITTEN:  # as many conversations as asked for, each to be written by the verifier
+        if args.regenerate == "none":
+            raise UserError("--dataset self-written: the verifier writes these conversations; pass --regenerate "
+                            "transformers or vllm")
+        if not (rows_range or args.num_samples):
+            raise UserError("--dataset self-written: say how many conversations with --num-samples N or --rows A-B")
+        records = [WRITE_PROMPT] * (rows_range or (0, args.num_samples))[1]
+    else:
+        records = load_records(args.dataset, args.split, notes)
     if not records:
         raise UserError(f"--dataset {args.dataset}: holds no conversations")
     indexed = list(enumerate(records))
@@ -79,7 +90,7 @@ def prepare_shard(args, selected, a, b, tokenizer, verifier, start, notes):
     regen_counts = None
     if args.regenerate != "none":
         from common.regenerate import regenerate
-        selected = [(i, r if isinstance(r, str) else normalize(r)) for i, r in selected]
+        selected = [(i, r if isinstance(r, str) or r == WRITE_PROMPT else normalize(r)) for i, r in selected]
         selected, regen_counts = regenerate(selected, tokenizer, verifier,
                                             verifier_fingerprint(load_text_config(verifier, args.trust_remote_code)),
                                             DataDir(args.data_dir).regenerated(shard(a, b)),
@@ -111,7 +122,7 @@ def prepare_shard(args, selected, a, b, tokenizer, verifier, start, notes):
                                "tokenizer_hash": tokenizer_fingerprint(tokenizer),
                                "vocab_size": len(tokenizer)}, rows=[a, b])
     log.info(f"dropped by reason: {dict(dropped) or 'none'}; changed by reason: {dict(changed) or 'none'}")
-    return (f"wrote {out}: {len(rows):,} rows, {total:,} total tokens, {assistant:,} assistant tokens, "
+    return (f"wrote {out}: {len(rows):,} rows of {args.dataset}, {total:,} total tokens, {assistant:,} assistant tokens, "
             f"{sum(dropped.values())} dropped" + (f"; {args.dataset} is cut off: its last "
                                                   f"{notes['truncated_tail_bytes']:,} bytes were not read"
                                                   if "truncated_tail_bytes" in notes else ""))

@@ -17,6 +17,10 @@ MESSAGE_COLUMNS = ("conversations", "messages", "conversation")
 # multiple of this are never prepared for training (counted as `held_out`), and 05 draws its default
 # prompts from them alone, so every evaluation of every run measures on conversations no draft saw.
 HELD_OUT_EVERY = 50
+# --dataset self-written (Magpie): conversations whose user turn the verifier writes itself, from its chat
+# template's user header alone (common/regenerate.py write_prompts), before answering it
+SELF_WRITTEN = "self-written"
+WRITE_PROMPT = [{"role": "user", "content": None}]
 
 
 def is_held_out(dataset: str, conversation_id: int) -> bool:

@@ -18,12 +18,15 @@ from common.errors import UserError
 from common.log import Progress, log
 from common.manifest import atomic_write_json, atomic_write_text
 from common.config import RegenConfig
+from common.data import WRITE_PROMPT
+from common.manifest import sha256_json
 from common.verifier import compute_dtype, load_verifier_lm
 
 SETTINGS = "settings.json"
 LOOP_MIN_TOKENS = 32   # a tail repeating at least this long, with period <= LOOP_MAX_PERIOD, is a loop
 LOOP_MAX_PERIOD = 48
 LOOP_STOP_TOKENS = 96  # the slots decoder stops a reply whose tail has repeated this long (see stuck_in_loop)
+PROMPT_TEMPERATURE = 1.0  # self-written user turns are sampled as Magpie samples them, whatever the replies' setting
 
 
 def script(messages: list[dict]) -> list[list[dict]]:
@@ -63,6 +66,40 @@ def encode(tokenizer, messages: list[dict], generation_prompt: bool = True) -> l
     """Token ids of a rendered conversation, tokenized as 01 tokenizes its rows."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def user_header(tokenizer) -> list[int]:
+    """The chat template rendered up to where a user's words begin (any system turn it adds, then the user header):
+    given this alone, an instruct model writes a user's request (Magpie)."""
+    marker = "USER-TURN-STARTS-HERE"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    if marker not in text:
+        raise UserError("--dataset self-written: the chat template does not render a user turn's text; use a "
+                        "chat (instruct) verifier")
+    return tokenizer(text[:text.index(marker)], add_special_tokens=False)["input_ids"]
+
+
+def write_prompts(generate, tokenizer, part: list, cfg: RegenConfig, counts: Counter) -> list:
+    """The user turns of self-written conversations (WRITE_PROMPT), each sampled by the verifier from its user
+    header; one cut by --max-new-tokens or empty drops its conversation. Other conversations pass as they are."""
+    todo = [k for k, (_, messages) in enumerate(part) if messages == WRITE_PROMPT]
+    if not todo:
+        return part
+    header = user_header(tokenizer)
+    seeds = [cfg.seed * 1_000_003 + part[k][0] * 101 + 97 for k in todo]  # apart from the replies' seeds
+    written = generate([header] * len(todo), [cfg.max_new_tokens] * len(todo), PROMPT_TEMPERATURE, 1.0, seeds)
+    part = list(part)
+    for k, (ids, finished) in zip(todo, written):
+        text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+        counts["written_prompts"] += 1
+        counts["written_prompt_tokens"] += len(ids)
+        if finished and text:
+            # an empty assistant turn marks where the reply goes (script)
+            part[k] = (part[k][0], [{"role": "user", "content": text}, {"role": "assistant", "content": ""}])
+        else:
+            counts["unfinished_prompts"] += 1
+            part[k] = (part[k][0], "unfinished_prompt")
+    return part
 
 
 def exact_tokens(tokenizer, prompt: list[int], reply: list[int], conversation: list[dict]) -> int:
@@ -330,14 +367,16 @@ def regenerate(records: list, tokenizer, verifier: str, verifier_hash: str, fold
     and the counts. Finished parts under `folder` are reused."""
     settings = {"verifier_hash": verifier_hash, "temperature": cfg.temperature, "top_p": cfg.top_p,
                 "max_new_tokens": cfg.max_new_tokens, "max_seq_len": cfg.max_seq_len, "seed": cfg.seed,
-                "regen_chunk": cfg.regen_chunk, "conversations": [i for i, _ in records]}
+                "regen_chunk": cfg.regen_chunk, "conversations": [i for i, _ in records],
+                "records_hash": sha256_json([m for _, m in records])}  # another --dataset under the same ids
     os.makedirs(folder, exist_ok=True)
     settings_path = os.path.join(folder, SETTINGS)
     if os.path.exists(settings_path):
         with open(settings_path) as f:
             same = json.load(f) == settings
         if not same:
-            raise UserError(f"{folder} holds replies regenerated with another verifier, conversations, --temperature, "
+            raise UserError(f"{folder} holds replies regenerated with another verifier, --dataset, conversations, "
+                            "--temperature, "
                             "--top-p, --max-new-tokens, --max-seq-len, --seed or --regen-chunk; delete it to regenerate")
     else:
         atomic_write_json(settings_path, settings)
@@ -362,7 +401,8 @@ def regenerate(records: list, tokenizer, verifier: str, verifier_hash: str, fold
                         extra=lambda: f"{now['generated_tokens'] / max(time.time() - start, 1e-9):,.0f} generated tok/s")
     for k in todo:
         part_start, part_counts = time.time(), Counter()
-        rows = regenerate_part(generate, tokenizer, parts[k], cfg, part_counts)
+        rows = regenerate_part(generate, tokenizer, write_prompts(generate, tokenizer, parts[k], cfg, part_counts),
+                               cfg, part_counts)
         part_counts["seconds"] = round(time.time() - part_start, 1)
         now.update(part_counts)
         # the part's counts ride as its last line, so a resumed run's manifest still counts every part
@@ -382,5 +422,7 @@ def regenerate(records: list, tokenizer, verifier: str, verifier_hash: str, fold
     if todo:
         log.info(f"regenerated {counts.get('replies', 0):,} replies, {counts.get('generated_tokens', 0):,} tokens in "
                  f"{counts['seconds']:.0f}s; hit the length limit {counts.get('hit_length_limit', 0)} "
-                 f"(looping {counts.get('looping', 0)}), empty {counts.get('empty_reply', 0)}")
+                 f"(looping {counts.get('looping', 0)}), empty {counts.get('empty_reply', 0)}"
+                 + (f"; wrote {counts['written_prompts']:,} user turns ({counts.get('unfinished_prompts', 0)} cut "
+                    "or empty, dropped)" if "written_prompts" in counts else ""))
     return out, counts

@@ -2,6 +2,7 @@
 trained tokens are exactly its greedy continuation of the conversation so far."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -118,6 +119,36 @@ def test_slot_batching_gives_the_same_rows(tmp_path, chats, regenerated):
 def test_vllm_backend_gives_the_verifiers_greedy_replies(tmp_path, chats, verifier):
     stage("01_prepare_dataset.py", "--data-dir", tmp_path, "--dataset", chats, "--regenerate", "vllm", *REGEN)
     assert assert_greedy(verifier, tmp_path / "prepared" / f"rows_0-{len(QUESTIONS)}") >= 4
+
+
+def test_self_written_conversations_are_the_verifiers_own_prompts_and_replies(tmp_path, regenerated, verifier, tokenizer):
+    """--dataset self-written (Magpie): the verifier writes each user turn from its chat template's user header
+    alone, sampled, then answers it greedily; the loss mask covers the reply alone; a rerun reuses the parts;
+    the replies of another --dataset under the same conversation ids are refused, not reused."""
+    from common.regenerate import user_header
+    args = ["--data-dir", tmp_path / "self", "--dataset", "self-written", "--num-samples", 8, "--regenerate",
+            "transformers", "--max-new-tokens", 96, "--max-seq-len", 384, "--regen-chunk", 4]
+    stage("01_prepare_dataset.py", *args)
+    folder = tmp_path / "self" / "prepared" / "rows_0-8"
+    counts = read_json(folder / "manifest.json")["counts"]
+    assert counts["regeneration"]["written_prompts"] == 8
+    assert counts["rows"] >= 2 and counts["rows"] + counts["dropped"].get("unfinished_prompt", 0) == 8, counts
+    header, prompts = user_header(tokenizer), set()
+    for row in load_prepared(str(folder)):
+        ids = row["input_ids"]
+        (start, _), = runs_of_ones(row["loss_mask"])  # one reply, after the written user turn
+        assert ids[:len(header)] == header and start > len(header) + 1
+        prompts.add(tuple(ids[len(header):start]))
+    assert len(prompts) == counts["rows"]  # sampled: no two alike
+    assert assert_greedy(verifier, folder) == counts["rows"]
+    assert "2 of 2 parts already done" in stage("01_prepare_dataset.py", *args).stdout
+    # the same conversation ids (0-3, unshuffled) and settings as the `regenerated` rows of chats.jsonl
+    copy = tmp_path / "copy"
+    shutil.copytree(regenerated, copy)
+    assert_user_error(stage("01_prepare_dataset.py", "--data-dir", copy, "--dataset", "self-written", "--num-samples",
+                            len(QUESTIONS), "--regenerate", "transformers", *REGEN, check=False), "--dataset", "delete it")
+    assert_user_error(stage("01_prepare_dataset.py", *args[:6], *args[8:], check=False), "--regenerate")
+    assert_user_error(stage("01_prepare_dataset.py", *args[:4], *args[6:], check=False), "--num-samples")
 
 
 def test_conversations_that_start_with_the_assistant_keep_their_rows(tokenizer):
