@@ -20,7 +20,8 @@
 #   RW=DIR: where the regenerated rows and their states go ($W/regen; another disk, /dev/shm say, when orig's
 #          states leave too little room: all 17,671 conversations' fp8 states are 52 GB of the machine's 64).
 #   DEADLINE=S: S seconds after the start every training still running is stopped (SIGTERM: 04 checkpoints)
-#          and not retried; its best checkpoint comes back, so a session's GPU time is never overrun.
+#          and not retried; its best checkpoint comes back (speculators' c: its last epoch's), so a session's GPU
+#          time is never overrun.
 #   ABL="NAME ...": beside run a, ablations of docs/quality.md on the same rows, each one flag over the config:
 #          ttt5 (--ttt-steps 5), lk (--loss lk_hybrid), lN (--draft-layers N, 1-9; the config's is l2 since the
 #          evening of 2026-12-04), wK (--draft-intermediate-size 1536*K, K times the verifier's MLP, K 1-99; the
@@ -98,7 +99,7 @@ if [ "$BENCH" = 1 ]; then
     say "bench: $(grep -h 'tok/s' $W/logs/bench_regen.out | tr -s ' ' | paste -sd';')" ) & bench=$!
 fi
 if [ "$DEADLINE" -gt 0 ]; then
-  ( sleep $DEADLINE; touch $W/deadline; say "deadline: stopping the trainings"; pkill -TERM -f 04_train.py ) & disown
+  ( sleep $DEADLINE; touch $W/deadline; say "deadline: stopping the trainings"; pkill -TERM -f 04_train.py; pkill -TERM -f speculators.train ) & disown
 fi  # (disowned: the final wait is for the work, not for the deadline)
 long=()
 if [ "$LONG" = 1 ]; then
@@ -151,8 +152,9 @@ if [ "$C" = 1 ]; then
   ( $PY -m speculators.train --verifier-name-or-path $V --data-path $W/speculators --draft-vocab-size $VOCAB \
       --hidden-states-backend fp8 --save-path $W/out_c --epochs ${CEPOCHS:-$EPOCHS} --loss-implementation eager \
       > $W/logs/04_c.out 2>&1 \
-      || { say "c failed: $(tail -1 $W/logs/04_c.out)"; exit 1; }
-    last=$W/out_c/checkpoint_best; [ -e $last ] || last=$(ls -d $W/out_c/[0-9]*/ | sort -V | tail -1)
+      || say "c stopped or failed: $(tail -1 $W/logs/04_c.out)"  # (at the deadline: its last epoch comes back)
+    last=$W/out_c/checkpoint_best; [ -e $last ] || last=$(ls -d $W/out_c/[0-9]*/ 2>/dev/null | sort -V | tail -1)
+    [ -n "$last" ] || { say "c: no checkpoint"; exit 1; }
     $PY recipes/slim_checkpoint.py strip $last $W/slim/c && tar -C $W/slim -cf $W/results/c.tar c \
       && split -b 15M -d $W/results/c.tar $W/results/c.tar.
     say "c: $(tail -1 $W/logs/04_c.out) -> $last" ) &
