@@ -24,6 +24,9 @@ def build_parser():
     add_verifier_flags(p)
     p.add_argument("--draft-path", required=True, help="draft checkpoint (for example out/checkpoints/best)")
     p.add_argument("--compare", nargs="+", default=[], help="more draft checkpoints, evaluated on the same prompts")
+    p.add_argument("--paired-with", metavar="EVAL_JSON[:DRAFT]",
+                   help="a stored 05 report (eval.json) of the same prompts and settings: its first draft (or DRAFT) "
+                        "heads the table and every draft here is paired against it, without evaluating it again")
     p.add_argument("--prompts", default="sharegpt",
                    help="'sharegpt' (ShareGPT's fixed held-out split, every 50th conversation, less any a training row "
                         "came from) or a .jsonl/.json of prompts or conversations")
@@ -113,7 +116,12 @@ def evaluate(args) -> str:
              f"backend {args.backend}")
     report = {"backend": args.backend, "verifier": verifier, "num_speculative_tokens": args.num_speculative_tokens,
               "temperature": args.temperature, "num_conversations": len(prompts), "drafts": {},
-              "verifier_read_per_token": verifier_read(verifier, text_config)}
+              "verifier_read_per_token": verifier_read(verifier, text_config),
+              "prompts_sha256": ev.prompts_fingerprint(prompts), "max_new_tokens": args.max_new_tokens,
+              "max_prompt_len": args.max_prompt_len}
+    if args.paired_with:  # checked before any generation; its answers once the baseline's are known
+        name, stored = ev.stored_reference(args.paired_with, report)
+        report["drafts"][name] = stored
 
     eos = tokenizer.eos_token_id
     if args.backend == "vllm":
@@ -127,6 +135,8 @@ def evaluate(args) -> str:
         base, base_time, base_tokens = ev.answer_one_by_one(
             lambda ids: sim.plain(ids, args.max_new_tokens, eos), tokenizer, prompts, cfg)
     report["baseline_tokens_per_s"] = base_tokens / base_time
+    if args.paired_with:
+        ev.check_stored_answers(name, stored, base_tokens)
     for name, path in drafts.items():
         per_conversation = [[0, 0] for _ in prompts]  # verify steps, accepted draft tokens
         if args.backend == "vllm":

@@ -4,6 +4,7 @@ Two backends: vLLM speculative decoding (the real thing), and a transformers sim
 chain speculation (for machines without vLLM) that follows vLLM's EAGLE-3 proposer step by step.
 """
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -310,6 +311,49 @@ def add_intervals(drafts: dict, seed: int) -> None:
                              "interval_95": bootstrap_interval(r["per_conversation"], first["per_conversation"], seed)}
 
 
+# what a stored report must share with this run for its per-conversation counts to pair with this run's
+PAIRING_SETTINGS = ("backend", "temperature", "num_speculative_tokens", "num_conversations", "verifier_read_per_token",
+                    "prompts_sha256", "max_new_tokens", "max_prompt_len")
+
+
+def prompts_fingerprint(prompts: list[list[str]]) -> str:
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+
+
+def stored_reference(spec: str, report: dict) -> tuple[str, dict]:
+    """The draft that `--paired-with EVAL_JSON[:NAME]` names in a stored 05 report (its first by default), checked
+    to come from the same prompts and decoding as this run, so that its per-conversation counts pair with this
+    run's: 05 with greedy decoding answers the same prompts the same way every time."""
+    path, name = (spec, "") if os.path.isfile(spec) else spec.rsplit(":", 1) if ":" in spec else (spec, "")
+    try:
+        with open(path) as f:
+            stored = json.load(f)
+        drafts = stored["drafts"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--paired-with {path}: not a readable 05 report ({type(e).__name__}: {e}); give the "
+                        "eval.json a 05 run wrote")
+    name = name or next(iter(drafts), "")
+    if name not in drafts:
+        raise UserError(f"--paired-with {spec}: no draft {name!r} in it (it has {', '.join(drafts) or 'none'})")
+    if report["temperature"] != 0:
+        raise UserError("--paired-with needs greedy decoding (--temperature 0): sampled answers differ from run to run")
+    for key in PAIRING_SETTINGS:  # (reports before 2026-12-06 lack the prompts' hash: check_stored_answers then)
+        if key in stored and stored[key] != report[key]:
+            raise UserError(f"--paired-with {path} was measured with {key} {stored[key]} (this run: {report[key]}): "
+                            "pair only a report of the same prompts and settings")
+    r = drafts[name]
+    if len(r.get("per_conversation") or []) != report["num_conversations"] or r.get("lossless") is not True:
+        raise UserError(f"--paired-with {spec}: its draft has no per-conversation counts of a lossless run to pair with")
+    return f"{name} (stored)", dict(r, stored_from=path)
+
+
+def check_stored_answers(name: str, stored: dict, base_tokens: int) -> None:
+    """Greedy and lossless, the stored draft generated what this run's verifier alone did: the same tokens."""
+    if stored["generated_tokens"] != base_tokens:
+        raise UserError(f"--paired-with {stored['stored_from']}: {name} answered with {stored['generated_tokens']} "
+                        f"tokens, this run's verifier with {base_tokens}: not the same prompts, verifier or settings")
+
+
 def markdown_table(report: dict) -> str:
     k = report["num_speculative_tokens"]
     head = ("| draft | acceptance length | 95% interval | vs the first draft | " + " | ".join(f"pos {p + 1}" for p in range(k))
@@ -324,9 +368,10 @@ def markdown_table(report: dict) -> str:
         vs = f"{vs['difference']:+.3f} ({vs['interval_95'][0]:+.3f} to {vs['interval_95'][1]:+.3f})" if vs else "-"
         cost = (f"{r['draft_read_per_token']['weights'] / 1e6:.1f}M | {r['c']:.3f} | {r['estimated_speedup']:.2f}x"
                 if "c" in r else "- | - | -")
+        speed = (f"{r['tokens_per_s']:.1f} | {base:.1f} | {r['tokens_per_s'] / base:.2f}x" if "stored_from" not in r
+                 else "- | - | -")  # a stored draft's timing is another run's
         lines.append(f"| {name} | {r['mean_acceptance_length']:.3f} | {interval} | {vs} | {rates} | {cost} | {r['drafts']} | "
-                     f"{r['accepted_tokens']} | {r['tokens_per_s']:.1f} | {base:.1f} | {r['tokens_per_s'] / base:.2f}x | "
-                     f"{r['lossless']} |")
+                     f"{r['accepted_tokens']} | {speed} | {r['lossless']} |")
     v = report.get("verifier_read_per_token")
     if v:
         lines += ["", f"c: the weights a drafted token reads over the verifier's per token ({v['weights'] / 1e6:.1f}M, "

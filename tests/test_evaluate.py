@@ -1,5 +1,6 @@
 """Stage 05 with real vLLM (the CPU build) and the real verifier: trained vs random draft, both backends."""
 
+import json
 import os
 import shutil
 
@@ -72,6 +73,30 @@ def test_transformers_backend_agrees_with_vllm(tmp_path, vllm_report, trained, r
         assert abs(report["drafts"][name]["mean_acceptance_length"] - r["mean_acceptance_length"]) <= 0.05, name
         assert report["drafts"][name]["lossless"] is True
         assert len(report["drafts"][name]["per_conversation"]) == report["num_conversations"]
+    # the random draft alone, paired with the trained one as the report stored it: the same difference and interval
+    # as when both ran together, without evaluating the trained draft again
+    trained_name = next(name for name in report["drafts"] if name != "random_draft")
+    stage("05_evaluate.py", "--backend", "transformers", "--draft-path", random_draft, "--data-dir", data_dir,
+          "--paired-with", tmp_path / "eval" / "eval.json", "--output-dir", tmp_path / "paired", *EVAL_ARGS)
+    paired = read_json(tmp_path / "paired" / "eval" / "eval.json")
+    assert list(paired["drafts"]) == [f"{trained_name} (stored)", "random_draft"]
+    assert paired["drafts"]["random_draft"]["per_conversation"] == report["drafts"]["random_draft"]["per_conversation"]
+    vs, vs_together = paired["drafts"]["random_draft"]["vs_first"], report["drafts"]["random_draft"]["vs_first"]
+    assert vs["difference"] == pytest.approx(vs_together["difference"]) and vs["difference"] < 0
+    assert vs["interval_95"] == pytest.approx(vs_together["interval_95"])
+    # a stored report of other settings is refused before anything runs; so are its answers if they differ
+    assert_user_error(stage("05_evaluate.py", "--backend", "transformers", "--draft-path", random_draft,
+                            "--data-dir", data_dir, "--paired-with", tmp_path / "eval" / "eval.json",
+                            "--output-dir", tmp_path / "refused", *EVAL_ARGS, "--num-speculative-tokens", 2,
+                            check=False), "was measured with num_speculative_tokens 3 (this run: 2)")
+    older = dict(report)  # a report from before the prompts' hash, whose answers were longer than this run's
+    del older["prompts_sha256"]
+    older["drafts"] = {trained_name: dict(report["drafts"][trained_name], generated_tokens=10 ** 6)}
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    assert_user_error(stage("05_evaluate.py", "--backend", "transformers", "--draft-path", random_draft,
+                            "--data-dir", data_dir, "--paired-with", tmp_path / "older.json",
+                            "--output-dir", tmp_path / "refused", *EVAL_ARGS, check=False),
+                      "answered with 1000000 tokens, this run's verifier with")
 
 
 def test_bad_input_exits_2_with_one_line(tmp_path, trained, data_dir, other_verifier, verifier):
@@ -106,6 +131,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path, trained, data_dir, other_veri
         (["--draft-path", damaged["no_weights"], "--backend", "transformers"], "has no model.safetensors"),
         (["--draft-path", damaged["torn_config"]], "config.json is damaged"),
         (["--draft-path", best, "--verifier-path", no_tokenizer], "tokenizer does not load"),
+        (["--draft-path", best, "--paired-with", empty], "--paired-with %s: not a readable 05 report" % empty),
+        (["--draft-path", best, "--paired-with", f"{empty}:a"], "not a readable 05 report"),
     ]
     for args, words in cases:
         assert_user_error(stage("05_evaluate.py", "--data-dir", data_dir, "--output-dir", tmp_path, *args,
