@@ -342,8 +342,10 @@ def stored_reference(spec: str, report: dict) -> tuple[str, dict]:
             raise UserError(f"--paired-with {path} was measured with {key} {stored[key]} (this run: {report[key]}): "
                             "pair only a report of the same prompts and settings")
     r = drafts[name]
-    if len(r.get("per_conversation") or []) != report["num_conversations"] or r.get("lossless") is not True:
-        raise UserError(f"--paired-with {spec}: its draft has no per-conversation counts of a lossless run to pair with")
+    needed = ("generated_tokens", "mean_acceptance_length", "acceptance_rate_per_pos", "drafts", "accepted_tokens")
+    if (not isinstance(r, dict) or any(k not in r for k in needed) or r.get("lossless") is not True
+            or len(r.get("per_conversation") or []) != report["num_conversations"]):
+        raise UserError(f"--paired-with {spec}: its draft lacks the counts of a lossless run to pair with (per conversation, tokens, acceptance)")
     return f"{name} (stored)", dict(r, stored_from=path)
 
 
