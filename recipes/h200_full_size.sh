@@ -12,11 +12,12 @@
 #          BENCH=1 first runs bench/bench_regen.py ($BENCH_PROMPTS prompts, more flags in BENCH_FLAGS: padded
 #          against slots by default) into logs/bench_regen.out, beside 01 on the CPU.
 #   then:  B (ours on regen), C (speculators' own trainer on exactly B's data and epochs, C=1; with C_ON=d on
-#          D's data and epochs instead), D (ours on orig + regen: every conversation twice, once with each reply;
+#          D's data and epochs instead; with C_ON=orig on a's rows and epochs, started as soon as orig's states are), D (ours on orig + regen: every conversation twice, once with each reply;
 #          $D_EPOCHS epochs, more 04 flags in DFLAGS; D=0 skips d), the others $EPOCHS epochs; B=0 skips b; all use orig's vocab
 #          mapping. Without regenerated data, C trains on orig (the 2026-12-03 runs a and c).
 #   ORIG=0: no orig at all (nor a, ABL, d): the regenerated rows get their own vocab mapping and b trains on them.
 #   RFLAGS="...": more 01 flags for the regeneration (--regen-batch-tokens, --temperature, ...).
+#   KEEP_REGEN=1: the regenerated replies (RW's regenerated/, which 01 reuses) come back as regenerated.tgz parts.
 #   RW=DIR: where the regenerated rows and their states go ($W/regen; another disk, /dev/shm say, when orig's
 #          states leave too little room: all 17,671 conversations' fp8 states are 52 GB of the machine's 64).
 #   DEADLINE=S: S seconds after the start every training still running is stopped (SIGTERM: 04 checkpoints)
@@ -43,7 +44,7 @@ W=${W:-/tmp/e3}; N=${N:-17671}; SHARDS=${SHARDS:-8}; RSHARD=${RSHARD:-2000}; REG
 NREGEN=${NREGEN:-4000}; EPOCHS=${EPOCHS:-3}; PY=${PY:-python3}; CFG=${CFG:-configs/full-size.yaml}; C=${C:-0}
 A=${A:-1}; BENCH=${BENCH:-0}; ABL=${ABL:-}; LONG=${LONG:-0}; LONG_LENS=${LONG_LENS:-32768 16384 8192}
 ORIG=${ORIG:-1}; RFLAGS=${RFLAGS:-}; RW=${RW:-$W/regen}; RPAR=${RPAR:-1}; B=${B:-1}; D_EPOCHS=${D_EPOCHS:-$EPOCHS}; DEADLINE=${DEADLINE:-0}; BENCH_PROMPTS=${BENCH_PROMPTS:-256}
-BENCH_FLAGS=${BENCH_FLAGS:-}; C_ON=${C_ON:-b}; DFLAGS=${DFLAGS:-}; D=${D:-1}
+BENCH_FLAGS=${BENCH_FLAGS:-}; C_ON=${C_ON:-b}; DFLAGS=${DFLAGS:-}; D=${D:-1}; KEEP_REGEN=${KEEP_REGEN:-0}
 [ "$ABL" = 1 ] && ABL="ttt5 lk l1 w4"; [ "$ABL" = 0 ] && ABL=
 abl_flags() {  # NAME[+NAME...] -> its 04 flags over the config
   local part
@@ -77,6 +78,21 @@ train() {  # NAME FLAGS...: 04 on the config, its best checkpoint slimmed into t
     && cp $ckpt/run.json $W/slim/$name/ && tar -C $W/slim -cf $W/results/$name.tar $name \
     && split -b 15M -d $W/results/$name.tar $W/results/$name.tar.
   say "04 $name: $(tail -1 $W/logs/04_$name.out)"
+}
+
+train_c() {  # DATA_DIRS MAP EPOCHS: speculators' own trainer on exactly 04's rows, its last checkpoint slimmed
+  $PY export_speculators_data.py --data-dir $1 --vocab-mapping-dir $2 --output-dir $W/speculators > $W/logs/export.out 2>&1
+  local v vocab last
+  v=$($PY -c "from common.verifier import ensure_default_verifier as e; print(e())")
+  vocab=$($PY -c "import numpy; print(len(numpy.load('$2/d2t.npy')))")  # the mapping 02 made
+  $PY -m speculators.train --verifier-name-or-path $v --data-path $W/speculators --draft-vocab-size $vocab \
+      --hidden-states-backend fp8 --save-path $W/out_c --epochs $3 --loss-implementation eager > $W/logs/04_c.out 2>&1 \
+    || say "c stopped or failed: $(tail -1 $W/logs/04_c.out)"  # (at the deadline: its last epoch comes back)
+  last=$W/out_c/checkpoint_best; [ -e $last ] || last=$(ls -d $W/out_c/[0-9]*/ 2>/dev/null | sort -V | tail -1)
+  [ -n "$last" ] || { say "c: no checkpoint"; return 1; }
+  $PY recipes/slim_checkpoint.py strip $last $W/slim/c && tar -C $W/slim -cf $W/results/c.tar c \
+    && split -b 15M -d $W/results/c.tar $W/results/c.tar.
+  say "c: $(tail -1 $W/logs/04_c.out) -> $last"
 }
 
 regen_loop() {  # FROM TO: shards of RSHARD conversations, one at a time (the GPU batches within a shard)
@@ -129,6 +145,7 @@ say "03 orig: $(tail -1 $W/logs/03_orig.out); disk $(df -h $W | tail -1)"
 [ ${#maps[@]} -gt 0 ] && wait "${maps[@]}"; say "02 done"  # a bare wait would also wait for the regeneration
 [ "$A" = 1 ] && train a --data-dir $W/orig &
 for abl in $ABL; do train $abl --data-dir $W/orig $(abl_flags $abl) & done
+[ "$C" = 1 ] && [ "$C_ON" = orig ] && train_c $W/orig $W/orig/vocab_mapping $EPOCHS &
 fi
 
 wait "${regen[@]}"; say "regeneration done"
@@ -143,25 +160,12 @@ if ls -d $RW/prepared/rows_* > /dev/null 2>&1; then
   CDATA=$RW; CMAP=$RW/vocab_mapping; CEPOCHS=$EPOCHS
   [ "$C_ON" = d ] && { CDATA="$W/orig $RW"; CMAP=$MAP; CEPOCHS=$D_EPOCHS; }
 fi
-if [ "$C" = 1 ]; then
-  CMAP=${CMAP:-$CDATA/vocab_mapping}
-  $PY export_speculators_data.py --data-dir $CDATA --vocab-mapping-dir $CMAP --output-dir $W/speculators \
-    > $W/logs/export.out 2>&1
-  V=$($PY -c "from common.verifier import ensure_default_verifier as e; print(e())")
-  VOCAB=$($PY -c "import numpy; print(len(numpy.load('$CMAP/d2t.npy')))")  # the mapping 02 made
-  ( $PY -m speculators.train --verifier-name-or-path $V --data-path $W/speculators --draft-vocab-size $VOCAB \
-      --hidden-states-backend fp8 --save-path $W/out_c --epochs ${CEPOCHS:-$EPOCHS} --loss-implementation eager \
-      > $W/logs/04_c.out 2>&1 \
-      || say "c stopped or failed: $(tail -1 $W/logs/04_c.out)"  # (at the deadline: its last epoch comes back)
-    last=$W/out_c/checkpoint_best; [ -e $last ] || last=$(ls -d $W/out_c/[0-9]*/ 2>/dev/null | sort -V | tail -1)
-    [ -n "$last" ] || { say "c: no checkpoint"; exit 1; }
-    $PY recipes/slim_checkpoint.py strip $last $W/slim/c && tar -C $W/slim -cf $W/results/c.tar c \
-      && split -b 15M -d $W/results/c.tar $W/results/c.tar.
-    say "c: $(tail -1 $W/logs/04_c.out) -> $last" ) &
-fi
+[ "$C" = 1 ] && [ "$C_ON" != orig ] && train_c "$CDATA" ${CMAP:-$CDATA/vocab_mapping} ${CEPOCHS:-$EPOCHS} &
 wait
 [ "$RW" != "$W/regen" ] && [ -d $RW/prepared ] && mkdir -p $W/regen && (cd $RW && cp --parents prepared/*/manifest.json \
   hidden_states/*/manifest.json $W/regen/ 2>/dev/null)  # the manifests of a regen dir kept elsewhere (RW)
+[ "$KEEP_REGEN" = 1 ] && [ -d $RW/regenerated ] && tar -C $RW -czf $W/results/regenerated.tgz regenerated \
+  && split -b 15M -d $W/results/regenerated.tgz $W/results/regenerated.tgz.  # the replies, for 01 to reuse elsewhere
 tar -C $W -czf $W/results/logs.tgz logs $(cd $W && ls -d out_*/metrics.jsonl */prepared/*/manifest.json \
   */hidden_states/*/manifest.json 2>/dev/null)
 say "all done"; ls -la $W/results
