@@ -152,9 +152,10 @@ wait "${regen[@]}"; say "regeneration done"
 CDATA=$W/orig
 if ls -d $RW/prepared/rows_* > /dev/null 2>&1; then
   MAP=$W/orig/vocab_mapping; [ "$ORIG" = 1 ] || MAP=$RW/vocab_mapping
-  [ "$C" = 1 ] || [ "$ORIG" != 1 ] && { $PY 02_build_vocab_mapping.py --config $CFG --data-dir $RW > $W/logs/02_regen.out 2>&1 & }  # c's, or b's
+  map=(); { [ "$C" = 1 ] && [ "$C_ON" = b ]; } || [ "$ORIG" != 1 ] \
+    && { $PY 02_build_vocab_mapping.py --config $CFG --data-dir $RW > $W/logs/02_regen.out 2>&1 & map=($!); }  # c's, or b's
   $PY 03_extract_hidden_states.py --config $CFG --data-dir $RW > $W/logs/03_regen.out 2>&1
-  say "03 regen: $(tail -1 $W/logs/03_regen.out)"; wait $! 2>/dev/null
+  say "03 regen: $(tail -1 $W/logs/03_regen.out)"; [ -n "${map[*]}" ] && wait "${map[@]}"
   [ "$B" = 1 ] && train b --data-dir $RW --vocab-mapping-dir $MAP &
   [ "$ORIG" = 1 ] && [ "$D" = 1 ] && EPOCHS=$D_EPOCHS train d --data-dir $W/orig $RW --vocab-mapping-dir $MAP $DFLAGS &
   CDATA=$RW; CMAP=$RW/vocab_mapping; CEPOCHS=$EPOCHS
