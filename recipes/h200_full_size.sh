@@ -12,7 +12,8 @@
 #          BENCH=1 first runs bench/bench_regen.py ($BENCH_PROMPTS prompts, more flags in BENCH_FLAGS: padded
 #          against slots by default) into logs/bench_regen.out, beside 01 on the CPU.
 #   then:  B (ours on regen), C (speculators' own trainer on exactly B's data and epochs, C=1; with C_ON=d on
-#          D's data and epochs instead; with C_ON=orig on a's rows and epochs, started as soon as orig's states are), D (ours on orig + regen: every conversation twice, once with each reply;
+#          D's data and epochs instead; with C_ON=orig on a's rows and epochs, started as soon as orig's states
+#          are), D (ours on orig + regen: every conversation twice, once with each reply;
 #          $D_EPOCHS epochs, more 04 flags in DFLAGS; D=0 skips d), the others $EPOCHS epochs; B=0 skips b; all use orig's vocab
 #          mapping. Without regenerated data, C trains on orig (the 2026-12-03 runs a and c).
 #   ORIG=0: no orig at all (nor a, ABL, d): the regenerated rows get their own vocab mapping and b trains on them.
@@ -59,6 +60,8 @@ abl_flags() {  # NAME[+NAME...] -> its 04 flags over the config
   done
 }
 for abl in $ABL; do abl_flags $abl > /dev/null || exit 2; done
+case $C_ON in b|d) ;; orig) [ "$ORIG" = 1 ] || { echo "C_ON=orig needs the original rows (ORIG=1)" >&2; exit 2; } ;;
+  *) echo "C_ON: unknown $C_ON (b: regenerated rows, d: orig + regenerated, orig: the original rows)" >&2; exit 2 ;; esac
 mkdir -p "$W/logs" "$W/results" "$W/slim"
 say() { echo "$(date +%T) $*"; }
 ranges() { for k in $(seq 0 $(($2 - 1))); do echo "$(($1 * k / $2))-$(($1 * (k + 1) / $2))"; done; }
