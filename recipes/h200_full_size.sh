@@ -17,6 +17,7 @@
 #          $D_EPOCHS epochs, more 04 flags in DFLAGS; D=0 skips d), the others $EPOCHS epochs; B=0 skips b; all use orig's vocab
 #          mapping. Without regenerated data, C trains on orig (the 2026-12-03 runs a and c).
 #   ORIG=0: no orig at all (nor a, ABL, d): the regenerated rows get their own vocab mapping and b trains on them.
+#   D_ABL="NAME ...": ablations (as ABL's) trained beside d on d's data, each named d_NAME (d_ep3: 3 epochs).
 #   RFLAGS="...": more 01 flags for the regeneration (--regen-batch-tokens, --temperature, ...).
 #   KEEP_REGEN=1: the regenerated replies (RW's regenerated/, which 01 reuses) come back as regenerated.tgz parts.
 #   RW=DIR: where the regenerated rows and their states go ($W/regen; another disk, /dev/shm say, when orig's
@@ -28,7 +29,7 @@
 #          ttt5 (--ttt-steps 5), lk (--loss lk_hybrid), lN (--draft-layers N, 1-9; the config's is l2 since the
 #          evening of 2026-12-04), wK (--draft-intermediate-size 1536*K, K times the verifier's MLP, K 1-99; the
 #          config's is w8 since 2026-12-04, w1 the verifier's own),
-#          lr2 (--lr 2e-3), nrms (--noise-scale rms: noise as a share of each aux layer's RMS), v16k (a 16,384-token draft vocabulary, the config's until 2026-12-04, when the ablation
+#          lr2 (--lr 2e-3), nrms (--noise-scale rms: noise as a share of each aux layer's RMS), epN (N epochs), v16k (a 16,384-token draft vocabulary, the config's until 2026-12-04, when the ablation
 #          v32k measured its 32,768), or several joined by + (l3+v16k);
 #          ABL=1 is "ttt5 lk l1 w4". Trainings started several at once on the one GPU have died with
 #          'unspecified launch failure' (seven crashes in three runs, at random steps, also with --compile-wait;
@@ -45,21 +46,21 @@ W=${W:-/tmp/e3}; N=${N:-17671}; SHARDS=${SHARDS:-8}; RSHARD=${RSHARD:-2000}; REG
 NREGEN=${NREGEN:-4000}; EPOCHS=${EPOCHS:-3}; PY=${PY:-python3}; CFG=${CFG:-configs/full-size.yaml}; C=${C:-0}
 A=${A:-1}; BENCH=${BENCH:-0}; ABL=${ABL:-}; LONG=${LONG:-0}; LONG_LENS=${LONG_LENS:-32768 16384 8192}
 ORIG=${ORIG:-1}; RFLAGS=${RFLAGS:-}; RW=${RW:-$W/regen}; RPAR=${RPAR:-1}; B=${B:-1}; D_EPOCHS=${D_EPOCHS:-$EPOCHS}; DEADLINE=${DEADLINE:-0}; BENCH_PROMPTS=${BENCH_PROMPTS:-256}
-BENCH_FLAGS=${BENCH_FLAGS:-}; C_ON=${C_ON:-b}; DFLAGS=${DFLAGS:-}; D=${D:-1}; KEEP_REGEN=${KEEP_REGEN:-0}
+BENCH_FLAGS=${BENCH_FLAGS:-}; C_ON=${C_ON:-b}; DFLAGS=${DFLAGS:-}; D=${D:-1}; KEEP_REGEN=${KEEP_REGEN:-0}; D_ABL=${D_ABL:-}
 [ "$ABL" = 1 ] && ABL="ttt5 lk l1 w4"; [ "$ABL" = 0 ] && ABL=
 abl_flags() {  # NAME[+NAME...] -> its 04 flags over the config
   local part
   for part in ${1//+/ }; do
     case $part in
       ttt5) echo --ttt-steps 5 ;; lk) echo --loss lk_hybrid ;; lr2) echo --lr 2e-3 ;; nrms) echo --noise-scale rms ;;
-      l[1-9]) echo --draft-layers ${part#l} ;;
+      l[1-9]) echo --draft-layers ${part#l} ;; ep[1-9]) echo --epochs ${part#ep} ;;
       w[1-9]|w[1-9][0-9]) echo --draft-intermediate-size $((1536 * ${part#w})) ;;
       v16k) echo --vocab-mapping-dir $W/v16k ;;
-      *) echo "ABL: unknown ablation $part in $1 (ttt5 lk lN wK lr2 nrms v16k, joined by +)" >&2; return 2 ;;
+      *) echo "ABL: unknown ablation $part in $1 (ttt5 lk lN wK lr2 nrms epN v16k, joined by +)" >&2; return 2 ;;
     esac
   done
 }
-for abl in $ABL; do abl_flags $abl > /dev/null || exit 2; done
+for abl in $ABL $D_ABL; do abl_flags $abl > /dev/null || exit 2; done
 case $C_ON in b|d) ;; orig) [ "$ORIG" = 1 ] || { echo "C_ON=orig needs the original rows (ORIG=1)" >&2; exit 2; } ;;
   *) echo "C_ON: unknown $C_ON (b: regenerated rows, d: orig + regenerated, orig: the original rows)" >&2; exit 2 ;; esac
 mkdir -p "$W/logs" "$W/results" "$W/slim"
@@ -161,6 +162,9 @@ if ls -d $RW/prepared/rows_* > /dev/null 2>&1; then
   say "03 regen: $(tail -1 $W/logs/03_regen.out)"; [ -n "${map[*]}" ] && wait "${map[@]}"
   [ "$B" = 1 ] && train b --data-dir $RW --vocab-mapping-dir $MAP &
   [ "$ORIG" = 1 ] && [ "$D" = 1 ] && EPOCHS=$D_EPOCHS train d --data-dir $W/orig $RW --vocab-mapping-dir $MAP $DFLAGS &
+  for abl in $D_ABL; do  # beside d, on d's data, one ablation each (named d_NAME)
+    [ "$ORIG" = 1 ] && EPOCHS=$D_EPOCHS train d_$abl --data-dir $W/orig $RW --vocab-mapping-dir $MAP $DFLAGS $(abl_flags $abl) &
+  done
   CDATA=$RW; CMAP=$RW/vocab_mapping; CEPOCHS=$EPOCHS
   [ "$C_ON" = d ] && { CDATA="$W/orig $RW"; CMAP=$MAP; CEPOCHS=$D_EPOCHS; }
 fi
