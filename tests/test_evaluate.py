@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from conftest import assert_user_error, read_json, stage, stage_module
+from conftest import assert_user_error, read_json, stage, stage_module, stages
 
 EVAL_ARGS = ["--num-prompts", 6, "--max-new-tokens", 48, "--max-turns", 2, "--max-prompt-len", 512]
 
@@ -66,36 +66,49 @@ def test_trained_draft_beats_random_and_decoding_is_lossless(vllm_report):
         assert r["estimated_speedup"] == pytest.approx(r["mean_acceptance_length"] / (1 + 3 * r["c"]))
 
 
+def first_conversations_length(report: dict, name: str, n: int) -> float:
+    """A draft's acceptance length over the report's first n conversations (from its per-conversation counts)."""
+    counts = report["drafts"][name]["per_conversation"][:n]
+    return 1 + sum(a for _, a in counts) / sum(d for d, _ in counts)
+
+
 @pytest.mark.slow
-def test_transformers_backend_agrees_with_vllm(tmp_path, vllm_report, trained, random_draft, data_dir):
-    report = evaluate(tmp_path, "transformers", trained, random_draft, data_dir)
-    for name, r in vllm_report["drafts"].items():
-        assert abs(report["drafts"][name]["mean_acceptance_length"] - r["mean_acceptance_length"]) <= 0.05, name
-        assert report["drafts"][name]["lossless"] is True
-        assert len(report["drafts"][name]["per_conversation"]) == report["num_conversations"]
-    # the random draft alone, paired with the trained one as the report stored it: the same difference and interval
-    # as when both ran together, without evaluating the trained draft again
-    trained_name = next(name for name in report["drafts"] if name != "random_draft")
+def test_transformers_backend_agrees_with_vllm_and_pairs_with_its_stored_report(tmp_path, vllm_report, trained,
+                                                                                random_draft, data_dir):
+    """Each draft in its own transformers run, on the first 3 of vllm_report's 6 conversations (the same prompts:
+    05 shuffles the held-out split, then takes the first N); the second run pairs with the first's stored report."""
+    from common.evaluate import bootstrap_interval
+    args = [*EVAL_ARGS, "--num-prompts", 3]  # (argparse: the last --num-prompts wins)
+    stage("05_evaluate.py", "--backend", "transformers", "--draft-path", trained / "checkpoints" / "best",
+          "--data-dir", data_dir, "--output-dir", tmp_path / "one", *args)
+    one = read_json(tmp_path / "one" / "eval" / "eval.json")
+    (trained_name, first), = one["drafts"].items()
+    # the random draft alone, paired with the trained one as the first run stored it, without evaluating it again
     stage("05_evaluate.py", "--backend", "transformers", "--draft-path", random_draft, "--data-dir", data_dir,
-          "--paired-with", tmp_path / "eval" / "eval.json", "--output-dir", tmp_path / "paired", *EVAL_ARGS)
+          "--paired-with", tmp_path / "one" / "eval" / "eval.json", "--output-dir", tmp_path / "paired", *args)
     paired = read_json(tmp_path / "paired" / "eval" / "eval.json")
     assert list(paired["drafts"]) == [f"{trained_name} (stored)", "random_draft"]
-    assert paired["drafts"]["random_draft"]["per_conversation"] == report["drafts"]["random_draft"]["per_conversation"]
-    vs, vs_together = paired["drafts"]["random_draft"]["vs_first"], report["drafts"]["random_draft"]["vs_first"]
-    assert vs["difference"] == pytest.approx(vs_together["difference"]) and vs["difference"] < 0
-    assert vs["interval_95"] == pytest.approx(vs_together["interval_95"])
+    for name, r in [(trained_name, first), ("random_draft", paired["drafts"]["random_draft"])]:
+        assert abs(r["mean_acceptance_length"] - first_conversations_length(vllm_report, name, 3)) <= 0.05, name
+        assert r["lossless"] is True and len(r["per_conversation"]) == one["num_conversations"] == 3
+    random = paired["drafts"]["random_draft"]
+    assert paired["drafts"][f"{trained_name} (stored)"]["per_conversation"] == first["per_conversation"]
+    vs = random["vs_first"]  # the difference and interval of the two drafts' counts, as if both had run together
+    assert vs["difference"] == pytest.approx(random["mean_acceptance_length"] - first["mean_acceptance_length"])
+    assert vs["difference"] < 0
+    assert vs["interval_95"] == pytest.approx(bootstrap_interval(random["per_conversation"], first["per_conversation"]))
     # a stored report of other settings is refused before anything runs; so are its answers if they differ
     assert_user_error(stage("05_evaluate.py", "--backend", "transformers", "--draft-path", random_draft,
-                            "--data-dir", data_dir, "--paired-with", tmp_path / "eval" / "eval.json",
-                            "--output-dir", tmp_path / "refused", *EVAL_ARGS, "--num-speculative-tokens", 2,
+                            "--data-dir", data_dir, "--paired-with", tmp_path / "one" / "eval" / "eval.json",
+                            "--output-dir", tmp_path / "refused", *args, "--num-speculative-tokens", 2,
                             check=False), "was measured with num_speculative_tokens 3 (this run: 2)")
-    older = dict(report)  # a report from before the prompts' hash, whose answers were longer than this run's
+    older = dict(one)  # a report from before the prompts' hash, whose answers were longer than this run's
     del older["prompts_sha256"]
-    older["drafts"] = {trained_name: dict(report["drafts"][trained_name], generated_tokens=10 ** 6)}
+    older["drafts"] = {trained_name: dict(first, generated_tokens=10 ** 6)}
     (tmp_path / "older.json").write_text(json.dumps(older))
     assert_user_error(stage("05_evaluate.py", "--backend", "transformers", "--draft-path", random_draft,
                             "--data-dir", data_dir, "--paired-with", tmp_path / "older.json",
-                            "--output-dir", tmp_path / "refused", *EVAL_ARGS, check=False),
+                            "--output-dir", tmp_path / "refused", *args, check=False),
                       "answered with 1000000 tokens, this run's verifier with")
 
 
@@ -134,9 +147,10 @@ def test_bad_input_exits_2_with_one_line(tmp_path, trained, data_dir, other_veri
         (["--draft-path", best, "--paired-with", empty], "--paired-with %s: not a readable 05 report" % empty),
         (["--draft-path", best, "--paired-with", f"{empty}:a"], "not a readable 05 report"),
     ]
-    for args, words in cases:
-        assert_user_error(stage("05_evaluate.py", "--data-dir", data_dir, "--output-dir", tmp_path, *args,
-                                check=False), words)
+    procs = stages("05_evaluate.py", [["--data-dir", data_dir, "--output-dir", tmp_path / f"out{i}", *args]
+                                      for i, (args, _) in enumerate(cases)])
+    for proc, (_, words) in zip(procs, cases):
+        assert_user_error(proc, words)
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import pytest
 
 from common.data import load_records, normalize, prepare_rows, tokenize_with_mask
 from common.data import load_prepared
-from conftest import ROOT, ROWS, SEQ, assert_user_error, kill_at, read_json, stage, stage_module
+from conftest import ROOT, ROWS, SEQ, assert_user_error, kill_at, read_json, stage, stage_module, stages
 
 
 def multi_turn_conversation():
@@ -143,11 +143,10 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
         (["--dataset", str(bad_line)], "line 2"),
         (["--dataset", str(tmp_path)], "unsupported file type"),
     ]
-    for args, words in cases:
-        proc = stage("01_prepare_dataset.py", "--data-dir", tmp_path / "d", *args, check=False)
+    procs = stages("01_prepare_dataset.py", [["--data-dir", tmp_path / f"d{i}", *args] for i, (args, _) in enumerate(cases)])
+    for proc, (_, words) in zip(procs, cases):
         assert_user_error(proc, words)
-    assert not (tmp_path / "d" / "prepared").exists() or not any(
-        (p / "manifest.json").exists() for p in (tmp_path / "d" / "prepared").iterdir())
+    assert not list(tmp_path.glob("d*/prepared/*/manifest.json"))
 
 
 def test_config_file_under_command_line(tmp_path):
