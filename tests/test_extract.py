@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.data import load_prepared
-from conftest import ROOT, ROWS, SEQ, assert_user_error, kill_at, read_json, stage
+from conftest import ROOT, ROWS, SEQ, assert_user_error, kill_at, read_json, stage, stages
 
 
 def test_files_match_an_unbatched_forward(verifier, prepared_dir, hs_dir):
@@ -130,7 +130,6 @@ def test_bf16_states_match_float32_within_its_precision(tmp_path, data_dir, hs_d
 
 
 def test_bad_input_exits_2_with_one_line(tmp_path, data_dir, foreign_verifier):
-    shutil.copytree(data_dir / "prepared", tmp_path / "prepared")
     cases = [
         (["--layers", "2", "40"], "outside"),
         (["--max-tokens-per-batch", "100"], "longest row"),
@@ -140,9 +139,13 @@ def test_bad_input_exits_2_with_one_line(tmp_path, data_dir, foreign_verifier):
         (["--device", "cuda"], "no CUDA"),
         (["--writer-threads", "0"], "--writer-threads"),
     ]
-    for args, words in cases:
-        assert_user_error(stage("03_extract_hidden_states.py", "--data-dir", tmp_path, *args, check=False), words)
-    assert not (tmp_path / "hidden_states" / f"rows_0-{ROWS}" / "manifest.json").exists()
+    for i in range(len(cases)):  # a data dir each: the runs go two at a time
+        shutil.copytree(data_dir / "prepared", tmp_path / f"d{i}" / "prepared")
+    procs = stages("03_extract_hidden_states.py", [["--data-dir", tmp_path / f"d{i}", *args]
+                                                   for i, (args, _) in enumerate(cases)])
+    for proc, (_, words) in zip(procs, cases):
+        assert_user_error(proc, words)
+    assert not list(tmp_path.glob("d*/hidden_states/*/manifest.json"))
 
 
 def test_default_aux_layers_are_distinct_for_small_verifiers():
