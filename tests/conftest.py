@@ -45,8 +45,8 @@ def stage(script: str, *args, check: bool = True, timeout: int = HANG_GUARD_S,
 
 
 def stages(script: str, arg_lists: list, **kwargs) -> list[subprocess.CompletedProcess]:
-    """stage(script, *args, check=False) for each argument list, two at a time: the bad-input tables, whose runs
-    are independent (each writes its own output folder) and mostly import time, take half as long on two cores."""
+    """stage(script, *args, check=False) for each argument list, two at a time (one a core): for the bad-input
+    tables, whose runs are independent (each writes its own output folder) and spend most of their time importing."""
     with ThreadPoolExecutor(max_workers=2) as pool:
         return list(pool.map(lambda args: stage(script, *args, check=False, **kwargs), arg_lists))
 
