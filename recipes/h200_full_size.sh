@@ -61,6 +61,7 @@ abl_flags() {  # NAME[+NAME...] -> its 04 flags over the config
   done
 }
 for abl in $ABL $D_ABL; do abl_flags $abl > /dev/null || exit 2; done
+[ -n "$D_ABL" ] && [ "$ORIG" != 1 ] && { echo "D_ABL trains on d's data, the original rows with the regenerated (ORIG=1)" >&2; exit 2; }
 case $C_ON in b|d) ;; orig) [ "$ORIG" = 1 ] || { echo "C_ON=orig needs the original rows (ORIG=1)" >&2; exit 2; } ;;
   *) echo "C_ON: unknown $C_ON (b: regenerated rows, d: orig + regenerated, orig: the original rows)" >&2; exit 2 ;; esac
 mkdir -p "$W/logs" "$W/results" "$W/slim"
@@ -141,7 +142,7 @@ wait "${orig[@]}"; say "01 orig done"
 maps=(); need=$A; [ "$REGEN_S" -gt 0 ] || [ "$C" = 1 ] && need=1  # the config's map only if a run uses it (d, c do)
 for abl in $ABL; do case $abl in *v16k*) ;; *) need=1 ;; esac; done
 [ "$need" = 1 ] && { ( $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig > $W/logs/02_orig.out 2>&1 ) & maps+=($!); }
-case " $ABL" in *v16k*) ( $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig --draft-vocab-size 16384 \
+case " $ABL $D_ABL" in *v16k*) ( $PY 02_build_vocab_mapping.py --config $CFG --data-dir $W/orig --draft-vocab-size 16384 \
   --output-dir $W/v16k > $W/logs/02_v16k.out 2>&1 ) & maps+=($!) ;; esac
 [ -n "${long[*]}" ] && { wait "${long[@]}"; T0=$(date +%s); }  # the curve's timings want the GPU alone
 $PY 03_extract_hidden_states.py --config $CFG --data-dir $W/orig > $W/logs/03_orig.out 2>&1
@@ -163,7 +164,7 @@ if ls -d $RW/prepared/rows_* > /dev/null 2>&1; then
   [ "$B" = 1 ] && train b --data-dir $RW --vocab-mapping-dir $MAP &
   [ "$ORIG" = 1 ] && [ "$D" = 1 ] && EPOCHS=$D_EPOCHS train d --data-dir $W/orig $RW --vocab-mapping-dir $MAP $DFLAGS &
   for abl in $D_ABL; do  # beside d, on d's data, one ablation each (named d_NAME)
-    [ "$ORIG" = 1 ] && EPOCHS=$D_EPOCHS train d_$abl --data-dir $W/orig $RW --vocab-mapping-dir $MAP $DFLAGS $(abl_flags $abl) &
+    EPOCHS=$D_EPOCHS train d_$abl --data-dir $W/orig $RW --vocab-mapping-dir $MAP $DFLAGS $(abl_flags $abl) &
   done
   CDATA=$RW; CMAP=$RW/vocab_mapping; CEPOCHS=$EPOCHS
   [ "$C_ON" = d ] && { CDATA="$W/orig $RW"; CMAP=$MAP; CEPOCHS=$D_EPOCHS; }

@@ -44,11 +44,14 @@ def stage(script: str, *args, check: bool = True, timeout: int = HANG_GUARD_S,
     return proc
 
 
-def stages(script: str, arg_lists: list, **kwargs) -> list[subprocess.CompletedProcess]:
-    """stage(script, *args, check=False) for each argument list, two at a time (one a core): for the bad-input
-    tables, whose runs are independent (each writes its own output folder) and spend most of their time importing."""
+def assert_bad_inputs(script: str, cases: list, folder_args) -> None:
+    """Each (args, words) case run as `script *folder_args(i) *args`, two at a time (one a core: the runs are
+    independent, each in its own folder, and spend most of their time importing); each answered as assert_user_error
+    checks, naming its words."""
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return list(pool.map(lambda args: stage(script, *args, check=False, **kwargs), arg_lists))
+        procs = list(pool.map(lambda i: stage(script, *folder_args(i), *cases[i][0], check=False), range(len(cases))))
+    for proc, (_, words) in zip(procs, cases):
+        assert_user_error(proc, words)
 
 
 COVERED = Counter()  # faults the suite injected, printed at its end

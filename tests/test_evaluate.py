@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from conftest import assert_user_error, read_json, stage, stage_module, stages
+from conftest import assert_bad_inputs, assert_user_error, read_json, stage, stage_module
 
 EVAL_ARGS = ["--num-prompts", 6, "--max-new-tokens", 48, "--max-turns", 2, "--max-prompt-len", 512]
 
@@ -147,10 +147,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, trained, data_dir, other_veri
         (["--draft-path", best, "--paired-with", empty], "--paired-with %s: not a readable 05 report" % empty),
         (["--draft-path", best, "--paired-with", f"{empty}:a"], "not a readable 05 report"),
     ]
-    procs = stages("05_evaluate.py", [["--data-dir", data_dir, "--output-dir", tmp_path / f"out{i}", *args]
-                                      for i, (args, _) in enumerate(cases)])
-    for proc, (_, words) in zip(procs, cases):
-        assert_user_error(proc, words)
+    assert_bad_inputs("05_evaluate.py", cases, lambda i: ["--data-dir", data_dir, "--output-dir", tmp_path / f"out{i}"])
 
 
 @pytest.mark.slow

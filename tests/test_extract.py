@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.data import load_prepared
-from conftest import ROOT, ROWS, SEQ, assert_user_error, kill_at, read_json, stage, stages
+from conftest import ROOT, ROWS, SEQ, assert_bad_inputs, assert_user_error, kill_at, read_json, stage
 
 
 def test_files_match_an_unbatched_forward(verifier, prepared_dir, hs_dir):
@@ -144,10 +144,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, data_dir, foreign_verifier):
     ]
     for i in range(len(cases)):  # a data dir each: the runs go two at a time
         shutil.copytree(data_dir / "prepared", tmp_path / f"d{i}" / "prepared")
-    procs = stages("03_extract_hidden_states.py", [["--data-dir", tmp_path / f"d{i}", *args]
-                                                   for i, (args, _) in enumerate(cases)])
-    for proc, (_, words) in zip(procs, cases):
-        assert_user_error(proc, words)
+    assert_bad_inputs("03_extract_hidden_states.py", cases, lambda i: ["--data-dir", tmp_path / f"d{i}"])
     assert not list(tmp_path.glob("d*/hidden_states/*/manifest.json"))
 
 

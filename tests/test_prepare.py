@@ -8,7 +8,7 @@ import pytest
 
 from common.data import load_records, normalize, prepare_rows, tokenize_with_mask
 from common.data import load_prepared
-from conftest import ROOT, ROWS, SEQ, assert_user_error, kill_at, read_json, stage, stage_module, stages
+from conftest import ROOT, ROWS, SEQ, assert_bad_inputs, assert_user_error, kill_at, read_json, stage, stage_module
 
 
 def multi_turn_conversation():
@@ -143,9 +143,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
         (["--dataset", str(bad_line)], "line 2"),
         (["--dataset", str(tmp_path)], "unsupported file type"),
     ]
-    procs = stages("01_prepare_dataset.py", [["--data-dir", tmp_path / f"d{i}", *args] for i, (args, _) in enumerate(cases)])
-    for proc, (_, words) in zip(procs, cases):
-        assert_user_error(proc, words)
+    assert_bad_inputs("01_prepare_dataset.py", cases, lambda i: ["--data-dir", tmp_path / f"d{i}"])
     assert not list(tmp_path.glob("d*/prepared/*/manifest.json"))
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, TRAIN_ARGS, assert_user_error, kill_at, read_json, records, stage, stages
+from conftest import ROOT, TRAIN_ARGS, assert_bad_inputs, assert_user_error, kill_at, read_json, records, stage
 
 
 def test_loss_falls_and_checkpoints_are_complete(trained):
@@ -285,7 +285,6 @@ def test_bad_input_exits_2_with_one_line(tmp_path, data_dir, hs_dir, other_verif
     empty.mkdir()
     stage("02_build_vocab_mapping.py", "--data-dir", data_dir, "--verifier-path", other_verifier,
           "--output-dir", tmp_path / "vm_other")
-    common = ["--max-steps", 1]
     cases = [
         (["--data-dir", data_dir, "--verifier-path", other_verifier,
           "--vocab-mapping-dir", tmp_path / "vm_other"], "another verifier"),
@@ -307,9 +306,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, data_dir, hs_dir, other_verif
         (["--data-dir", data_dir, "--weight-decay", -5], "--weight-decay: -5.0: must be at least 0"),
         (["--data-dir", data_dir, "--log-every", 0], "--log-every: 0: must be at least 1"),
     ]
-    procs = stages("04_train.py", [[*common, "--output-dir", tmp_path / f"out{i}", *args] for i, (args, _) in enumerate(cases)])
-    for proc, (_, words) in zip(procs, cases):
-        assert_user_error(proc, words)
+    assert_bad_inputs("04_train.py", cases, lambda i: ["--max-steps", 1, "--output-dir", tmp_path / f"out{i}"])
 
 
 def test_speculators_reads_the_exported_data_dir(tmp_path, data_dir, hs_dir):
