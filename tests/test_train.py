@@ -402,9 +402,22 @@ def states_server(data_dir):
     proc.wait(timeout=120)
 
 
+STATES_ARGS = ["--log-every", 1, "--val-ratio", 0.1, "--max-seq-len", 512, "--lr", 1e-3, "--dtype", "float32",
+               "--optimizer", "adamw", "--noise-std", 0, "--num-workers", 2,
+               "--scheduler", "none", "--warmup-steps", 0]  # a flat lr: --max-steps 3 then 6 is one schedule
+
+
+@pytest.fixture(scope="module")
+def disk_run(tmp_path_factory, data_dir):
+    """6 steps on 03's files: what the runs fed by computed states must give."""
+    out = tmp_path_factory.mktemp("disk_run")
+    stage("04_train.py", "--data-dir", data_dir, *STATES_ARGS, "--output-dir", out, "--max-steps", 6)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("source", ["colocated", "server"])
-def test_states_computed_while_training_give_disks_losses_and_resume(tmp_path, data_dir, source, request):
+def test_states_computed_while_training_give_disks_losses_and_resume(tmp_path, data_dir, disk_run, source, request):
     """--states-from colocated (the verifier in the training process) and server (a vLLM server started by
     serve_states.py) compute each pack's states from 01's rows and give the losses of 03's files on the same rows
     and seed (float32 everywhere, the states rounded to bf16 as 03 stores them; vLLM's own kernels differ from
@@ -412,18 +425,15 @@ def test_states_computed_while_training_give_disks_losses_and_resume(tmp_path, d
     and resume: 3 steps, then --resume to 6, are the disk run's 6 steps."""
     flags = ["--states-from", source] + (["--states-url", request.getfixturevalue("states_server")]
                                          if source == "server" else [])
-    common = ["--data-dir", data_dir, "--log-every", 1, "--val-ratio", 0.1, "--max-seq-len", 512, "--lr", 1e-3,
-              "--dtype", "float32", "--optimizer", "adamw", "--noise-std", 0, "--num-workers", 2,
-              "--scheduler", "none", "--warmup-steps", 0]  # a flat lr: --max-steps 3 then 6 is one schedule
-    stage("04_train.py", *common, "--output-dir", tmp_path / "disk", "--max-steps", 6)
+    common = ["--data-dir", data_dir, *STATES_ARGS]
     proc = stage("04_train.py", *common, "--output-dir", tmp_path / source, "--max-steps", 3, *flags)
     assert f"states from {source}" in proc.stdout and re.search(r"waited for states \d+%", proc.stdout)
     stage("04_train.py", *common, "--output-dir", tmp_path / source, "--max-steps", 6, *flags, "--resume")
-    disk, computed = records(tmp_path / "disk", "train"), records(tmp_path / source, "train")
+    disk, computed = records(disk_run, "train"), records(tmp_path / source, "train")
     tolerance = 1e-5 if source == "colocated" else 1e-3
     assert [r["step"] for r in computed] == list(range(1, 7))
     assert [r["loss"] for r in computed] == pytest.approx([r["loss"] for r in disk], rel=tolerance)
-    assert records(tmp_path / source, "val")[-1]["loss"] == pytest.approx(records(tmp_path / "disk", "val")[-1]["loss"],
+    assert records(tmp_path / source, "val")[-1]["loss"] == pytest.approx(records(disk_run, "val")[-1]["loss"],
                                                                           rel=tolerance)
     assert all(0 <= r["states_wait_share"] <= 1 for r in computed)
     assert read_json(tmp_path / source / "checkpoints" / "latest" / "run.json")["args"]["states_from"] == source
