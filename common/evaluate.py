@@ -346,7 +346,8 @@ def stored_reference(spec: str, report: dict) -> tuple[str, dict]:
     if (not isinstance(r, dict) or any(k not in r for k in needed) or r.get("lossless") is not True
             or len(r.get("per_conversation") or []) != report["num_conversations"]):
         raise UserError(f"--paired-with {spec}: its draft lacks the counts of a lossless run to pair with (per conversation, tokens, acceptance)")
-    return f"{name} (stored)", dict(r, stored_from=path)
+    stored_draft = {k: v for k, v in r.items() if k != "vs_first"}  # its difference to its own run's first draft
+    return f"{name} (stored)", dict(stored_draft, stored_from=path)
 
 
 def check_stored_answers(name: str, stored: dict, base_tokens: int) -> None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU part of the full-size runs in docs/quality.md, on one H200, from the repository root with the
-# pipeline's packages importable. ShareGPT's held-out split (every 50th conversation) is never prepared.
+# pipeline's packages importable (on this workplace's GPU machine: `recipes/device_stage.sh`, which starts it). ShareGPT's
+# held-out split (every 50th conversation) is never prepared.
 # With no variables set: the full-size recipe, run a on all usable conversations (N=17671); the side-by-side
 # runs of docs/quality.md set REGEN_S (regeneration) and C=1 (speculators' trainer), as their sections say.
 #   orig:  conversations 0-$N of the shuffled list with their original replies ($SHARDS --rows shards),

@@ -1,5 +1,6 @@
 """The fast tier: pure pieces of the pipeline in milliseconds, no model, no files (`pytest tests/unit`)."""
 import argparse
+import json
 import dataclasses
 from types import SimpleNamespace
 
@@ -230,3 +231,14 @@ def test_one_compute_dtype_rule():
     assert compute_dtype("cuda") == compute_dtype("cuda", generating=True) == "bfloat16"
     assert compute_dtype("cpu", generating=True) == "float32"  # generated text reproduces float32's greedy text
     assert compute_dtype("cpu") in ("bfloat16", "float32")  # bf16 only where the CPU multiplies it natively
+
+
+def test_a_stored_draft_that_was_not_first_in_its_run_heads_the_table_without_its_old_difference(tmp_path):
+    from common.evaluate import stored_reference
+    counts = {"generated_tokens": 10, "mean_acceptance_length": 2.0, "acceptance_rate_per_pos": [0.5], "drafts": 4,
+              "accepted_tokens": 4, "lossless": True, "per_conversation": [[2, 2], [2, 2]]}
+    report = {"temperature": 0, "num_conversations": 2, "drafts": {
+        "a": counts, "b": dict(counts, vs_first={"difference": 0.1, "interval_95": [0.0, 0.2]})}}
+    (tmp_path / "eval.json").write_text(json.dumps(report))
+    name, stored = stored_reference(f"{tmp_path / 'eval.json'}:b", {"temperature": 0, "num_conversations": 2})
+    assert name == "b (stored)" and "vs_first" not in stored and stored["per_conversation"] == counts["per_conversation"]
