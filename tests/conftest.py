@@ -1,13 +1,18 @@
 """Shared fixtures: the real SmolLM2 verifier, real ShareGPT rows, run through the real stage scripts.
 
-Stages run as subprocesses, exactly as a user launches them; the pipeline fixtures are built once per
-session and shared (the vLLM tests start their own engines, one per configuration).
+Stages run as processes with a user's command line and environment; the pipeline fixtures are built once per
+session and shared (the vLLM tests start their own engines, one per configuration). A stage run is forked from
+tests/stage_server.py, an interpreter that has imported torch, transformers, speculators and vLLM once (a fresh one
+spends 10-30 s on that here), unless it needs its own environment or a memory limit, or EAGLE3_TEST_FORK=0.
 """
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +33,74 @@ DRAFT_VOCAB = 4096
 HANG_GUARD_S = 3600
 
 
+class StageServer:
+    """tests/stage_server.py, started at the session's start (its imports overlap the first tests), stopped at its end."""
+    def __init__(self):
+        self.env = dict(os.environ)  # what its imports saw: a run in another environment is not forked from it
+        self.folder = tempfile.mkdtemp(prefix="stage_server")
+        self.socket = os.path.join(self.folder, "socket")
+        self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "stage_server.py"), self.socket],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        self.ready = threading.Event()
+        self.failed, self.said = "", False
+        threading.Thread(target=self._start, daemon=True).start()
+
+    def _start(self):
+        lines = []
+        for line in self.proc.stdout:
+            if line.strip() == "ready":
+                break
+            lines.append(line)
+        else:
+            self.failed = "".join(lines[-20:]) or "it exited"
+        self.ready.set()
+        for _ in self.proc.stdout:  # (its log must not fill the pipe)
+            pass
+
+    def usable(self) -> bool:
+        self.ready.wait()
+        if self.failed and not self.said:
+            self.said = True
+            sys.stderr.write(f"tests/stage_server.py did not start, stages run as fresh processes:\n{self.failed}\n")
+        return not self.failed and self.proc.poll() is None and dict(os.environ) == self.env
+
+    def run(self, script: str, args: list, timeout: float) -> subprocess.CompletedProcess:
+        out, err = (tempfile.NamedTemporaryFile(dir=self.folder, delete=False).name for _ in range(2))
+        request = {"script": os.path.join(ROOT, script), "args": args, "env": self.env, "cwd": ROOT, "stdout": out,
+                   "stderr": err, "timeout": timeout}
+        with socket.socket(socket.AF_UNIX) as conn:
+            conn.connect(self.socket)
+            conn.sendall((json.dumps(request) + "\n").encode())
+            code = conn.makefile().readline().strip()
+        stdout, stderr = (open(path, errors="replace").read() for path in (out, err))
+        os.remove(out)
+        os.remove(err)
+        if code == "timeout":
+            raise subprocess.TimeoutExpired([script, *args], timeout, stdout, stderr)
+        return subprocess.CompletedProcess([script, *args], int(code), stdout, stderr)
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+        import shutil
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+SERVER = None
+
+
+def pytest_collection_finish(session):
+    global SERVER
+    unit = os.path.join(ROOT, "tests", "unit")
+    if os.environ.get("EAGLE3_TEST_FORK", "1") != "0" and any(not str(i.path).startswith(unit) for i in session.items):
+        SERVER = StageServer()
+
+
+def pytest_sessionfinish(session):
+    if SERVER:
+        SERVER.stop()
+
+
 def stage(script: str, *args, check: bool = True, timeout: int = HANG_GUARD_S,
           env: dict | None = None, memory_limit: int | None = None) -> subprocess.CompletedProcess:
     """Run a numbered script (with `env` added to the environment, and with `memory_limit` bytes of
@@ -36,9 +109,12 @@ def stage(script: str, *args, check: bool = True, timeout: int = HANG_GUARD_S,
     def limit():
         import resource
         resource.setrlimit(resource.RLIMIT_DATA, (memory_limit, memory_limit))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
-                          preexec_fn=limit if memory_limit else None)
+    if env is None and memory_limit is None and SERVER and SERVER.usable():
+        proc = SERVER.run(script, list(map(str, args)), timeout)
+    else:
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+                              preexec_fn=limit if memory_limit else None)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc

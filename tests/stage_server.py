@@ -1,0 +1,102 @@
+"""One interpreter that has imported what the stages import, forking a child for each stage run of the tests.
+
+`python tests/stage_server.py SOCKET`: imports torch, transformers, speculators and vLLM, then serves on the
+Unix socket SOCKET: each connection sends one JSON line {script, args, env, cwd, stdout, stderr, timeout}, and gets back
+one line, the run's exit code (or "timeout"). The run is a fork of this process that runs the script as
+`python SCRIPT ARGS` runs it (sys.argv, sys.path[0], `__main__`, fds 0-2, the environment, exit code and atexit), so
+a stage starts in a second where a fresh interpreter spends 10-30 s importing on a small CPU. Nothing here runs torch:
+a fork before any thread or OpenMP pool exists is a clean one (checked: one thread when ready).
+"""
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+
+def preload() -> None:
+    import matplotlib.pyplot  # noqa: F401  (04's plot)
+    import numpy  # noqa: F401
+    import safetensors.torch  # noqa: F401
+    import speculators.models.eagle3
+    import speculators.train.data  # noqa: F401
+    import torch  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    import vllm  # noqa: F401
+    # not common/: its modules are small, and some keep the time they were imported at (common.log.LAUNCH)
+
+
+def run(request: dict) -> None:
+    """In the forked child: become `python SCRIPT ARGS` and never return."""
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    for fd, path, flags in [(0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                            (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)]:
+        os.dup2(os.open(path, flags), fd)
+    script = request["script"]
+    sys.argv = [script, *request["args"]]
+    sys.path[0] = os.path.dirname(script)
+    import atexit
+    import runpy
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+        if not isinstance(exit.code, int | None):
+            print(exit.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001  (any exception ends the run with its traceback, as Python ends a script)
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    # what Python's exit does, less tearing down every module this process imported (seconds, for nothing)
+    threading._shutdown()  # noqa: SLF001  (the non-daemon threads are waited for)
+    atexit._run_exitfuncs()  # noqa: SLF001
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def wait(pid: int, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return str(os.waitstatus_to_exitcode(status))
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return "timeout"
+
+
+def serve(path: str) -> None:
+    import signal
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(16)
+    assert threading.active_count() == 1, threading.enumerate()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    print("ready", flush=True)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps each run's handler
+    while True:
+        conn, _ = server.accept()
+        if os.fork():
+            conn.close()
+            continue
+        # the handler of one run: forks the run, answers its exit code
+        server.close()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        request = json.loads(conn.makefile().readline())
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            run(request)
+        conn.sendall((wait(pid, request["timeout"]) + "\n").encode())
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    preload()
+    serve(sys.argv[1])
