@@ -34,7 +34,7 @@ HANG_GUARD_S = 3600
 
 
 class StageServer:
-    """tests/stage_server.py, started at the session's start (its imports overlap the first tests), stopped at its end."""
+    """tests/stage_server.py, started when collection ends (its imports overlap the first tests), stopped at the end."""
     def __init__(self):
         self.env = dict(os.environ)  # what its imports saw: a run in another environment is not forked from it
         self.folder = tempfile.mkdtemp(prefix="stage_server")
