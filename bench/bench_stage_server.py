@@ -6,16 +6,16 @@ speculators and vLLM imported once), side by side on the same commands, alternat
 D: a data root that 01-03 wrote (the tests' `data` fixture, or `make demo`'s); nothing in it is changed.
 """
 import argparse
-import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from stage_server import StageServer  # noqa: E402
 
 
 def main():
@@ -31,25 +31,16 @@ def main():
                                   "1", "--max-seq-len", "512", "--val-ratio", "0", "--num-workers", "0"],
         "03, a missing data dir (exit 2)": ["03_extract_hidden_states.py", "--data-dir", f"{work}/none"],
     }
-    sock = f"{work}/socket"
     t = time.time()
-    server = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "stage_server.py"), sock],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    for line in server.stdout:
-        if line.strip() == "ready":
-            break
+    server = StageServer()
+    assert server.usable(), server.failed
     print(f"stage server ready in {time.time() - t:.1f}s (paid once a test session)")
 
     def fresh(argv):
         return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True).returncode
 
     def forked(argv):
-        with socket.socket(socket.AF_UNIX) as conn:
-            conn.connect(sock)
-            conn.sendall((json.dumps({"script": os.path.join(ROOT, argv[0]), "args": argv[1:], "env": dict(os.environ),
-                                      "cwd": ROOT, "stdout": f"{work}/stdout", "stderr": f"{work}/stderr",
-                                      "timeout": 1800}) + "\n").encode())
-            return int(conn.makefile().readline())
+        return server.run(argv[0], argv[1:], 1800).returncode
 
     print(f"{'command':34} {'fresh (s)':>10} {'forked (s)':>11} {'ratio':>6}")
     for name, argv in commands.items():
@@ -63,7 +54,7 @@ def main():
                 assert code == (2 if "exit 2" in name else 0), (name, way, code)
         a, b = (sum(v) / len(v) for v in times.values())
         print(f"{name:34} {a:10.1f} {b:11.1f} {a / b:5.1f}x")
-    server.kill()
+    server.stop()
     shutil.rmtree(work, ignore_errors=True)
 
 

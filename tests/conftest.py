@@ -8,16 +8,15 @@ spends 10-30 s on that here), unless it needs its own environment or a memory li
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+from stage_server import StageServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -31,59 +30,6 @@ DRAFT_VOCAB = 4096
 
 # A guard against a hung stage only: a busy 2-core machine can take several times the usual minutes
 HANG_GUARD_S = 3600
-
-
-class StageServer:
-    """tests/stage_server.py, started when collection ends (its imports overlap the first tests), stopped at the end."""
-    def __init__(self):
-        self.env = dict(os.environ)  # what its imports saw: a run in another environment is not forked from it
-        self.folder = tempfile.mkdtemp(prefix="stage_server")
-        self.socket = os.path.join(self.folder, "socket")
-        self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "stage_server.py"), self.socket],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-        self.ready = threading.Event()
-        self.failed, self.said = "", False
-        threading.Thread(target=self._start, daemon=True).start()
-
-    def _start(self):
-        lines = []
-        for line in self.proc.stdout:
-            if line.strip() == "ready":
-                break
-            lines.append(line)
-        else:
-            self.failed = "".join(lines[-20:]) or "it exited"
-        self.ready.set()
-        for _ in self.proc.stdout:  # (its log must not fill the pipe)
-            pass
-
-    def usable(self) -> bool:
-        self.ready.wait()
-        if self.failed and not self.said:
-            self.said = True
-            sys.stderr.write(f"tests/stage_server.py did not start, stages run as fresh processes:\n{self.failed}\n")
-        return not self.failed and self.proc.poll() is None and dict(os.environ) == self.env
-
-    def run(self, script: str, args: list, timeout: float) -> subprocess.CompletedProcess:
-        out, err = (tempfile.NamedTemporaryFile(dir=self.folder, delete=False).name for _ in range(2))
-        request = {"script": os.path.join(ROOT, script), "args": args, "env": self.env, "cwd": ROOT, "stdout": out,
-                   "stderr": err, "timeout": timeout}
-        with socket.socket(socket.AF_UNIX) as conn:
-            conn.connect(self.socket)
-            conn.sendall((json.dumps(request) + "\n").encode())
-            code = conn.makefile().readline().strip()
-        stdout, stderr = (open(path, errors="replace").read() for path in (out, err))
-        os.remove(out)
-        os.remove(err)
-        if code == "timeout":
-            raise subprocess.TimeoutExpired([script, *args], timeout, stdout, stderr)
-        return subprocess.CompletedProcess([script, *args], int(code), stdout, stderr)
-
-    def stop(self):
-        self.proc.kill()
-        self.proc.wait()
-        import shutil
-        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 SERVER = None

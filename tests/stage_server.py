@@ -6,13 +6,77 @@ one line, the run's exit code (or "timeout"). The run is a fork of this process 
 `python SCRIPT ARGS` runs it (sys.argv, sys.path[0], `__main__`, fds 0-2, the environment, exit code and atexit), so
 a stage starts in a second where a fresh interpreter spends 10-30 s importing on a small CPU. Nothing here runs torch:
 a fork before any thread or OpenMP pool exists is a clean one (checked: one thread when ready).
+
+`StageServer` is the client side (tests/conftest.py, bench/bench_stage_server.py): it starts the server and runs
+stages through it. Each run gets the caller's environment as it is at the call; a variable read when torch or vLLM is
+imported (TORCH_LOGS, OMP_NUM_THREADS) takes effect only in a fresh process, so callers run those fresh.
 """
 import json
 import os
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class StageServer:
+    """Starts this file as a server (its imports run in the background) and runs stage scripts as its forks."""
+    def __init__(self):
+        self.folder = tempfile.mkdtemp(prefix="stage_server")
+        self.socket = os.path.join(self.folder, "socket")
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), self.socket],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        self.ready = threading.Event()
+        self.failed, self.said = "", False
+        threading.Thread(target=self._start, daemon=True).start()
+
+    def _start(self):
+        lines = []
+        for line in self.proc.stdout:
+            if line.strip() == "ready":
+                break
+            lines.append(line)
+        else:
+            self.failed = "".join(lines[-20:]) or "it exited"
+        self.ready.set()
+        for _ in self.proc.stdout:  # (its log must not fill the pipe)
+            pass
+
+    def usable(self) -> bool:
+        """Waits for the server to be ready; False (said once on stderr) if it did not start or has ended."""
+        self.ready.wait()
+        if self.failed and not self.said:
+            self.said = True
+            sys.stderr.write(f"tests/stage_server.py did not start, stages run as fresh processes:\n{self.failed}\n")
+        return not self.failed and self.proc.poll() is None
+
+    def run(self, script: str, args: list, timeout: float) -> subprocess.CompletedProcess:
+        """`python SCRIPT ARGS` (SCRIPT relative to the repository) in the current environment, as a fork."""
+        out, err = (tempfile.NamedTemporaryFile(dir=self.folder, delete=False).name for _ in range(2))
+        request = {"script": os.path.join(ROOT, script), "args": [str(a) for a in args], "env": dict(os.environ),
+                   "cwd": ROOT, "stdout": out, "stderr": err, "timeout": timeout}
+        with socket.socket(socket.AF_UNIX) as conn:
+            conn.connect(self.socket)
+            conn.sendall((json.dumps(request) + "\n").encode())
+            code = conn.makefile().readline().strip()
+        stdout, stderr = (open(path, errors="replace").read() for path in (out, err))
+        os.remove(out)
+        os.remove(err)
+        if code == "timeout":
+            raise subprocess.TimeoutExpired([script, *args], timeout, stdout, stderr)
+        if not code.lstrip("-").isdigit():  # the server (or the run's handler) died: no exit code came back
+            raise AssertionError(f"tests/stage_server.py gave no exit code for {script}; its stderr:\n{stderr[-3000:]}")
+        return subprocess.CompletedProcess([script, *args], int(code), stdout, stderr)
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+        import shutil
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def preload() -> None:
