@@ -90,19 +90,30 @@ def kill(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     COVERED["kill"] += 1
 
 
-def kill_at(args: list, reached, tries: int = 3) -> None:
-    """Start a stage (argv) and SIGKILL it as soon as `reached()` holds; a run that ends first (a point
-    inside a short write can be missed) is started again. Fails if the point is never met."""
+def start_stage(script: str, *args, quiet: bool = False):
+    """A stage run in the background, for a test that signals or pauses it: forked as stage()'s runs are (else a
+    fresh process), with Popen's pid, poll, wait, send_signal, communicate and returncode; stdout and stderr as text,
+    or thrown away where `quiet`."""
+    if SERVER and SERVER.usable():
+        return SERVER.start(script, list(map(str, args)), HANG_GUARD_S)
+    out = subprocess.DEVNULL if quiet else subprocess.PIPE
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=ROOT, stdout=out,
+                            stderr=out, text=True,  # SIGHUP as a login shell leaves it (nohup hands on an ignored one)
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+
+
+def kill_at(argv: list, reached, tries: int = 3) -> None:
+    """Start a stage (`stage(*argv)`'s arguments) and SIGKILL it as soon as `reached()` holds; a run that ends first
+    (a point inside a short write can be missed) is started again. Fails if the point is never met."""
     for _ in range(tries):
-        proc = subprocess.Popen([str(a) for a in args], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        proc = start_stage(*argv, quiet=True)
         while proc.poll() is None:
             if reached():
                 kill(proc)
                 proc.wait()
                 return
             time.sleep(0.002)
-    raise AssertionError(f"{args[1]} ended {tries} times before its kill point")
+    raise AssertionError(f"{argv[0]} ended {tries} times before its kill point")
 
 
 def assert_user_error(proc: subprocess.CompletedProcess, *words: str) -> None:

@@ -2,7 +2,7 @@
 
 `python tests/stage_server.py SOCKET`: imports torch, transformers, speculators and vLLM, then serves on the
 Unix socket SOCKET: each connection sends one JSON line {script, args, env, cwd, stdout, stderr, timeout}, and gets back
-one line, the run's exit code (or "timeout"). The run is a fork of this process that runs the script as
+two lines: "pid N" when the run starts, then its exit code (or "timeout"). The run is a fork of this process that runs the script as
 `python SCRIPT ARGS` runs it (sys.argv, sys.path[0], `__main__`, fds 0-2, the environment, exit code and atexit), so
 a stage starts in a second where a fresh interpreter spends 10-30 s importing on a small CPU. Nothing here runs torch:
 a fork before any thread or OpenMP pool exists is a clean one (checked: one thread when ready).
@@ -13,6 +13,8 @@ imported (TORCH_LOGS, OMP_NUM_THREADS) takes effect only in a fresh process, so 
 """
 import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
@@ -54,29 +56,77 @@ class StageServer:
             sys.stderr.write(f"tests/stage_server.py did not start, stages run as fresh processes:\n{self.failed}\n")
         return not self.failed and self.proc.poll() is None
 
-    def run(self, script: str, args: list, timeout: float) -> subprocess.CompletedProcess:
-        """`python SCRIPT ARGS` (SCRIPT relative to the repository) in the current environment, as a fork."""
+    def start(self, script: str, args: list, timeout: float) -> "ForkedRun":
+        """`python SCRIPT ARGS` (SCRIPT relative to the repository) in the current environment, as a fork, in the
+        background; returns once its pid is known."""
         out, err = (tempfile.NamedTemporaryFile(dir=self.folder, delete=False).name for _ in range(2))
         request = {"script": os.path.join(ROOT, script), "args": [str(a) for a in args], "env": dict(os.environ),
                    "cwd": ROOT, "stdout": out, "stderr": err, "timeout": timeout}
-        with socket.socket(socket.AF_UNIX) as conn:
-            conn.connect(self.socket)
-            conn.sendall((json.dumps(request) + "\n").encode())
-            code = conn.makefile().readline().strip()
-        stdout, stderr = (open(path, errors="replace").read() for path in (out, err))
-        os.remove(out)
-        os.remove(err)
-        if code == "timeout":
-            raise subprocess.TimeoutExpired([script, *args], timeout, stdout, stderr)
-        if not code.lstrip("-").isdigit():  # the server (or the run's handler) died: no exit code came back
-            raise AssertionError(f"tests/stage_server.py gave no exit code for {script}; its stderr:\n{stderr[-3000:]}")
-        return subprocess.CompletedProcess([script, *args], int(code), stdout, stderr)
+        conn = socket.socket(socket.AF_UNIX)
+        conn.connect(self.socket)
+        conn.sendall((json.dumps(request) + "\n").encode())
+        return ForkedRun(conn, [script, *args], out, err, timeout)
+
+    def run(self, script: str, args: list, timeout: float) -> subprocess.CompletedProcess:
+        """start() and wait for the end: what subprocess.run(capture_output=True, text=True) returns."""
+        run = self.start(script, args, timeout)
+        run.wait()
+        return subprocess.CompletedProcess(run.args, run.returncode, run.stdout, run.stderr)
 
     def stop(self):
         self.proc.kill()
         self.proc.wait()
         import shutil
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class ForkedRun:
+    """A run the server forked, with what the tests use of Popen: pid, poll, wait, send_signal, communicate,
+    returncode, and stdout and stderr as text once it has ended."""
+    def __init__(self, conn: socket.socket, args: list, out: str, err: str, timeout: float):
+        self.conn, self.args, self.files, self.timeout = conn, args, (out, err), timeout
+        self.reader = conn.makefile()
+        first = self.reader.readline()
+        if not first.startswith("pid "):
+            raise AssertionError(f"tests/stage_server.py did not start {args[0]}")
+        self.pid = int(first.split()[1])
+        self.returncode = self.stdout = self.stderr = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self.conn], [], [], 0)[0]:
+            self.wait()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is not None:
+            return self.returncode
+        self.conn.settimeout(timeout)
+        try:
+            code = self.reader.readline().strip()
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(self.args, timeout) from None
+        self.conn.close()
+        self.stdout, self.stderr = (open(path, errors="replace").read() for path in self.files)
+        for path in self.files:
+            os.remove(path)
+        if code == "timeout":
+            raise subprocess.TimeoutExpired(self.args, self.timeout, self.stdout, self.stderr)
+        if not code.lstrip("-").isdigit():  # the server (or the run's handler) died: no exit code came back
+            raise AssertionError(f"tests/stage_server.py gave no exit code for {self.args[0]}; its stderr:\n"
+                                 f"{self.stderr[-3000:]}")
+        self.returncode = int(code)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # it has just ended
+                pass
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return self.stdout, self.stderr
 
 
 def preload() -> None:
@@ -93,6 +143,8 @@ def preload() -> None:
 
 def run(request: dict) -> None:
     """In the forked child: become `python SCRIPT ARGS` and never return."""
+    for sig in (signal.SIGHUP, signal.SIGTERM):  # as a fresh interpreter has them (a server under nohup ignores SIGHUP)
+        signal.signal(sig, signal.SIG_DFL)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -135,7 +187,6 @@ def wait(pid: int, timeout: float) -> str:
 
 
 def serve(path: str) -> None:
-    import signal
     server = socket.socket(socket.AF_UNIX)
     server.bind(path)
     server.listen(16)
@@ -157,6 +208,7 @@ def serve(path: str) -> None:
         if pid == 0:
             conn.close()
             run(request)
+        conn.sendall(f"pid {pid}\n".encode())
         conn.sendall((wait(pid, request["timeout"]) + "\n").encode())
         os._exit(0)
 

@@ -1,14 +1,13 @@
 """Stage 03 on the real verifier: layout, equality with an unbatched forward, resume, both backends."""
 import os
 import shutil
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from common.data import load_prepared
-from conftest import ROOT, ROWS, SEQ, assert_bad_inputs, assert_user_error, kill_at, read_json, stage
+from conftest import ROWS, SEQ, assert_bad_inputs, assert_user_error, kill_at, read_json, stage
 
 
 def test_files_match_an_unbatched_forward(verifier, prepared_dir, hs_dir):
@@ -43,7 +42,7 @@ def test_resume_after_kills_and_corrupt_file_redone(tmp_path, data_dir, hs_dir):
     """One extraction SIGKILLed after its first row file, then early, then near the end (each rerun killed at the
     next point); a truncated file planted; the next run redoes it, keeps the rest and matches the uninterrupted run."""
     shutil.copytree(data_dir / "prepared", tmp_path / "prepared")
-    args = [sys.executable, os.path.join(ROOT, "03_extract_hidden_states.py"), "--data-dir", tmp_path,
+    args = ["03_extract_hidden_states.py", "--data-dir", tmp_path,
             "--max-tokens-per-batch", 2048, "--dtype", "float32"]  # the budget and dtype of the uninterrupted run (fixture)
     out = tmp_path / "hidden_states" / f"rows_0-{ROWS}"
     total = sum(f.endswith(".safetensors") for f in os.listdir(hs_dir))
@@ -55,7 +54,7 @@ def test_resume_after_kills_and_corrupt_file_redone(tmp_path, data_dir, hs_dir):
     # plant a truncated file, as a crash in the middle of a write on another filesystem would leave
     victim = out / done[0]
     victim.write_bytes(victim.read_bytes()[:1000])
-    proc = stage("03_extract_hidden_states.py", *args[2:])
+    proc = stage(*args)
     assert "corrupt" in proc.stdout
     counts = read_json(out / "manifest.json")["counts"]
     assert counts["corrupt_redone"] == 1 and counts["skipped_complete"] == len(done) - 1

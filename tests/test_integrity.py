@@ -7,12 +7,12 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from conftest import DRAFT_VOCAB, HANG_GUARD_S, ROOT, ROWS, SEQ, assert_user_error, kill, read_json, records, stage
+from conftest import (DRAFT_VOCAB, HANG_GUARD_S, ROOT, ROWS, SEQ, assert_user_error, kill, read_json, records, stage,
+                      start_stage)
 
 QUICK_TRAIN = ["--max-steps", 2, "--max-seq-len", 1024, "--num-workers", 1, "--val-ratio", 0.1]
 
@@ -48,9 +48,7 @@ def test_copied_data_dir_trains_and_a_rerun_of_01_makes_its_states_stale(tmp_pat
 
     # 01 rewrites the rows while 03 extracts them (03 paused midway): 03 stops with a line, leaving no manifest
     stage("01_prepare_dataset.py", "--data-dir", copy, "--num-samples", ROWS, "--max-seq-len", SEQ)
-    extract = subprocess.Popen([sys.executable, os.path.join(ROOT, "03_extract_hidden_states.py"), "--data-dir", str(copy),
-                                "--max-tokens-per-batch", "512"], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    extract = start_stage("03_extract_hidden_states.py", "--data-dir", copy, "--max-tokens-per-batch", 512)
     log, deadline = copy / "logs" / "03_extract_hidden_states.log", time.time() + HANG_GUARD_S
     planned = log.read_text().count("to do (")
     while log.read_text().count("to do (") == planned:  # until this run has read the rows it extracts
@@ -88,9 +86,8 @@ def test_damaged_states_file_stops_04_before_training(tmp_path, data_dir, damage
 
 def test_one_run_writes_a_folder_and_a_dead_runs_lock_is_taken_over(tmp_path, data_dir):
     out = tmp_path / "out"
-    args = [sys.executable, os.path.join(ROOT, "04_train.py"), "--data-dir", str(data_dir), "--output-dir", str(out),
-            "--max-steps", "1000", "--max-seq-len", "1024", "--num-workers", "1"]
-    first = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = start_stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--max-steps", 1000,
+                        "--max-seq-len", 1024, "--num-workers", 1, quiet=True)
     try:
         deadline = time.time() + HANG_GUARD_S
         while not (out / ".lock").exists() and first.poll() is None and time.time() < deadline:
@@ -108,11 +105,8 @@ def test_one_run_writes_a_folder_and_a_dead_runs_lock_is_taken_over(tmp_path, da
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])  # a scheduler or kill; a dropped ssh session
 def test_sigterm_saves_a_checkpoint_and_the_named_command_resumes(tmp_path, data_dir, sig):
     out = tmp_path / "out"
-    args = [sys.executable, os.path.join(ROOT, "04_train.py"), "--data-dir", str(data_dir), "--output-dir", str(out),
-            "--max-steps", "12", "--max-seq-len", "512", "--num-workers", "1", "--log-every", "1", "--val-ratio", "0.1"]
-    # SIGHUP as a login shell leaves it (a suite started under nohup hands its children an ignored SIGHUP)
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+    proc = start_stage("04_train.py", "--data-dir", data_dir, "--output-dir", out, "--max-steps", 12, "--max-seq-len", 512,
+                       "--num-workers", 1, "--log-every", 1, "--val-ratio", 0.1)
     metrics = out / "metrics.jsonl"
     while proc.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
         time.sleep(0.1)
@@ -289,9 +283,7 @@ def test_02_05_and_the_export_refuse_a_folder_another_run_writes(tmp_path, data_
 
 
 def test_sigterm_stops_01_with_a_line_and_nothing_complete_looking(tmp_path):
-    args = [sys.executable, os.path.join(ROOT, "01_prepare_dataset.py"), "--data-dir", str(tmp_path),
-            "--num-samples", "400", "--max-seq-len", str(SEQ)]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_stage("01_prepare_dataset.py", "--data-dir", tmp_path, "--num-samples", 400, "--max-seq-len", SEQ)
     log = tmp_path / "logs" / "01_prepare_dataset.log"
     while proc.poll() is None and not (log.exists() and "preparing rows" in log.read_text()):
         time.sleep(0.1)

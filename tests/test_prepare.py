@@ -1,7 +1,6 @@
 """Stage 01 on the real SmolLM2 tokenizer and real ShareGPT conversations."""
 import json
 import os
-import sys
 from collections import Counter
 
 import pytest
@@ -93,12 +92,11 @@ KILL_POINTS_01 = {  # while it imports, once it holds its shard's lock (reading,
 
 @pytest.mark.parametrize("point", KILL_POINTS_01)
 def test_killed_run_rerun_gives_the_same_output(tmp_path, prepared_dir, point):
-    args = [sys.executable, os.path.join(ROOT, "01_prepare_dataset.py"), "--data-dir", tmp_path,
-            "--num-samples", ROWS, "--max-seq-len", SEQ]
+    args = ["01_prepare_dataset.py", "--data-dir", tmp_path, "--num-samples", ROWS, "--max-seq-len", SEQ]
     kill_at(args, lambda: KILL_POINTS_01[point](tmp_path / "prepared"))
     out = tmp_path / "prepared" / f"rows_0-{ROWS}"
     assert not (out / "manifest.json").exists()  # nothing that looks complete
-    stage(*args[1:])
+    stage(*args)
     assert load_prepared(str(out)).to_dict() == load_prepared(str(prepared_dir)).to_dict()
     assert sorted(os.listdir(tmp_path / "prepared")) == [f"rows_0-{ROWS}"]  # no temporary leftovers
 

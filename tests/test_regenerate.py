@@ -3,8 +3,6 @@ trained tokens are exactly its greedy continuation of the conversation so far.""
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
@@ -12,7 +10,7 @@ import torch
 
 from common.data import HELD_OUT_EVERY, load_prepared, load_records, normalize, prepare_rows
 from common.states_server import runs_of_ones
-from conftest import ROOT, assert_user_error, kill, read_json, stage
+from conftest import assert_user_error, kill, read_json, stage, start_stage
 
 # short questions get short answers, so replies end by themselves and later turns are regenerated too
 QUESTIONS = [["What is 2+2? Answer with a number only.", "And 3+3?", "Thanks! Now say goodbye in one word."],
@@ -71,10 +69,9 @@ def test_rows_hold_the_verifiers_greedy_replies_turn_by_turn(regenerated, verifi
 
 
 def test_killed_regeneration_resumes_without_redoing_parts(tmp_path, chats, regenerated):
-    args = [sys.executable, os.path.join(ROOT, "01_prepare_dataset.py"), "--data-dir", str(tmp_path),
-            "--dataset", str(chats), "--regenerate", "transformers", *map(str, REGEN)]
+    args = ["01_prepare_dataset.py", "--data-dir", tmp_path, "--dataset", chats, "--regenerate", "transformers", *REGEN]
     parts = tmp_path / "regenerated" / f"rows_0-{len(QUESTIONS)}"
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_stage(*args, quiet=True)
     while proc.poll() is None and not (parts / "part_00000.jsonl").exists():
         time.sleep(0.1)
     kill(proc)
@@ -83,7 +80,7 @@ def test_killed_regeneration_resumes_without_redoing_parts(tmp_path, chats, rege
     done = sorted(p.name for p in parts.glob("part_*.jsonl"))
     assert done and len(done) < len(QUESTIONS)
     stamps = {name: os.stat(parts / name).st_mtime_ns for name in done}
-    log = stage(*args[1:]).stdout
+    log = stage(*args).stdout
     assert f"{len(done)} of {len(QUESTIONS)} parts already done" in log
     assert all(os.stat(parts / name).st_mtime_ns == stamps[name] for name in done)
     rerun = load_prepared(str(tmp_path / "prepared" / f"rows_0-{len(QUESTIONS)}")).to_dict()
@@ -93,7 +90,7 @@ def test_killed_regeneration_resumes_without_redoing_parts(tmp_path, chats, rege
         "regeneration"].items() if k != "seconds"} for d in (tmp_path, regenerated)]
     assert counts[0] == counts[1]
     # other settings on the same parts are refused rather than mixed
-    assert_user_error(stage(*args[1:], "--temperature", 0.7, check=False), "delete it")
+    assert_user_error(stage(*args, "--temperature", 0.7, check=False), "delete it")
 
 
 def test_continuous_batching_gives_the_same_rows(tmp_path, chats, regenerated):

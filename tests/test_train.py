@@ -58,12 +58,11 @@ def test_killed_at_each_point_and_resumed_matches_uninterrupted(tmp_path, data_d
     """One run SIGKILLed at each point in turn, resumed after each kill: the point after it is met by a resumed run,
     and the last resume ends where the uninterrupted run (the fixture) ends."""
     out = tmp_path / "run"
-    args = [sys.executable, os.path.join(ROOT, "04_train.py"), "--data-dir", str(data_dir), "--output-dir", str(out),
-            *map(str, TRAIN_ARGS)]
+    args = ["04_train.py", "--data-dir", data_dir, "--output-dir", out, *TRAIN_ARGS]
     for i, point in enumerate(KILL_POINTS_04):
         kill_at(args + (["--resume"] if i else []), lambda point=point: KILL_POINTS_04[point](out))
     assert not (out / "checkpoints" / "epoch_4").exists()
-    stage("04_train.py", *args[2:], "--resume")
+    stage(*args, "--resume")
     final = torch.load(out / "checkpoints" / "epoch_4" / "training_state.pt", weights_only=False)
     reference = torch.load(trained / "checkpoints" / "epoch_4" / "training_state.pt", weights_only=False)
     assert final["step"] == reference["step"]
@@ -73,10 +72,9 @@ def test_killed_at_each_point_and_resumed_matches_uninterrupted(tmp_path, data_d
     steps = [r["step"] for r in records if r["split"] == "train"]
     assert len(steps) == len(set(steps))  # each step logged once, the replayed ones included
     # resuming with another TTT depth or MLP width is refused
-    assert_user_error(stage("04_train.py", *args[2:], "--resume", "--ttt-steps", 2, check=False), "new --output-dir")
-    assert_user_error(stage("04_train.py", *args[2:], "--resume", "--draft-intermediate-size", 2048, check=False),
-                      "new --output-dir")
-    stage("04_train.py", *args[2:], "--resume", "--draft-intermediate-size", 1536)  # SmolLM2's own: the same draft
+    assert_user_error(stage(*args, "--resume", "--ttt-steps", 2, check=False), "new --output-dir")
+    assert_user_error(stage(*args, "--resume", "--draft-intermediate-size", 2048, check=False), "new --output-dir")
+    stage(*args, "--resume", "--draft-intermediate-size", 1536)  # SmolLM2's own: the same draft
 
 
 def test_packed_batches_match_speculators_collate(data_dir, hs_dir):
