@@ -7,6 +7,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -119,11 +120,12 @@ def test_sigterm_saves_a_checkpoint_and_the_named_command_resumes(tmp_path, data
     assert f"stopped by {name}" in (out / "logs" / "04_train.log").read_text()  # where a dropped session can read it
     assert (out / "checkpoints" / "latest").exists()
     command = shlex.split(errors[0].split("resume with: ")[1])
-    assert command[-1] == "--resume"
-    subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
+    assert command[0] == sys.executable and command[-1] == "--resume"
+    script = os.path.relpath(command[1], ROOT)  # the named command, run as stage() runs one
+    stage(script, *command[2:])
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line]
     assert steps == list(range(1, 13))  # each step once, the replayed ones too
-    again = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
+    again = stage(script, *command[2:])
     assert "already finished at step 12" in again.stdout + again.stderr
     assert metrics.read_text().count('"train"') == 12
 
