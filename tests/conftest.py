@@ -56,7 +56,7 @@ def stage(script: str, *args, check: bool = True, timeout: int = HANG_GUARD_S,
         import resource
         resource.setrlimit(resource.RLIMIT_DATA, (memory_limit, memory_limit))
     if env is None and memory_limit is None and SERVER and SERVER.usable():
-        proc = SERVER.run(script, list(map(str, args)), timeout)
+        proc = SERVER.run(script, args, timeout)
     else:
         proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=ROOT,
                               capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
@@ -95,7 +95,7 @@ def start_stage(script: str, *args, quiet: bool = False):
     fresh process), with Popen's pid, poll, wait, send_signal, communicate and returncode; stdout and stderr as text,
     or thrown away where `quiet`."""
     if SERVER and SERVER.usable():
-        return SERVER.start(script, list(map(str, args)), HANG_GUARD_S)
+        return SERVER.start(script, args, HANG_GUARD_S)
     out = subprocess.DEVNULL if quiet else subprocess.PIPE
     return subprocess.Popen([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=ROOT, stdout=out,
                             stderr=out, text=True,  # SIGHUP as a login shell leaves it (nohup hands on an ignored one)

@@ -56,7 +56,7 @@ class StageServer:
             sys.stderr.write(f"tests/stage_server.py did not start, stages run as fresh processes:\n{self.failed}\n")
         return not self.failed and self.proc.poll() is None
 
-    def start(self, script: str, args: list, timeout: float) -> "ForkedRun":
+    def start(self, script: str, args, timeout: float) -> "ForkedRun":
         """`python SCRIPT ARGS` (SCRIPT relative to the repository) in the current environment, as a fork, in the
         background; returns once its pid is known."""
         out, err = (tempfile.NamedTemporaryFile(dir=self.folder, delete=False).name for _ in range(2))
@@ -67,7 +67,7 @@ class StageServer:
         conn.sendall((json.dumps(request) + "\n").encode())
         return ForkedRun(conn, [script, *args], out, err, timeout)
 
-    def run(self, script: str, args: list, timeout: float) -> subprocess.CompletedProcess:
+    def run(self, script: str, args, timeout: float) -> subprocess.CompletedProcess:
         """start() and wait for the end: what subprocess.run(capture_output=True, text=True) returns."""
         run = self.start(script, args, timeout)
         run.wait()
