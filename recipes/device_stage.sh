@@ -38,7 +38,7 @@ case ${1:-} in
     cat /tmp/recipe.log; nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; df -h /tmp /mnt/ram
     grep -q "all done" /tmp/recipe.log || exit 0  # (a part still being written must not come back cut)
     mkdir -p /tmp/sent; n=0
-    for f in /tmp/e3/results/*.tar.[0-9]* /tmp/e3/results/regenerated.tgz.* /tmp/e3/results/*.out \
+    for f in /tmp/e3/results/*.tar.[0-9]* /tmp/e3/results/*regenerated.tgz.[0-9]* /tmp/e3/results/*.out \
              /tmp/e3/results/logs.tgz; do
       [ -e "$f" ] && [ ! -e /tmp/sent/${f##*/} ] && [ $n -lt 8 ] || continue
       cp "$f" "$OUT/"; touch /tmp/sent/${f##*/}; n=$((n + 1))

@@ -20,7 +20,13 @@
 #   ORIG=0: no orig at all (nor a, ABL, d): the regenerated rows get their own vocab mapping and b trains on them.
 #   D_ABL="NAME ...": ablations (as ABL's) trained beside d on d's data, each named d_NAME (d_ep3: 3 epochs).
 #   RFLAGS="...": more 01 flags for the regeneration (--regen-batch-tokens, --temperature, ...).
-#   KEEP_REGEN=1: the regenerated replies (RW's regenerated/, which 01 reuses) come back as regenerated.tgz parts.
+#   KEEP_REGEN=1: the regenerated replies (RW's regenerated/, which 01 reuses) come back as regenerated.tgz parts,
+#          the self-written conversations (SW's) as self_regenerated.tgz parts.
+#   REGEN_FROM=FILE: such a regenerated.tgz (its parts joined), unpacked into RW first: 01 reuses the replies of
+#          every shard it holds with the same settings (--rows, RSHARD, RFLAGS) instead of generating them again.
+#   SELF=N: N conversations the verifier writes itself (01 --dataset self-written, Magpie: prompt and reply, with
+#          RFLAGS) in shards of $SELF_SHARD, $SELF_PAR lanes beside the regeneration and within the same REGEN_S,
+#          into $SW; d (and its D_ABL) train on them too.
 #   RW=DIR: where the regenerated rows and their states go ($W/regen; another disk, /dev/shm say, when orig's
 #          states leave too little room: all 17,671 conversations' fp8 states are 52 GB of the machine's 64).
 #   DEADLINE=S: S seconds after the start every training still running is stopped (SIGTERM: 04 checkpoints)
@@ -47,6 +53,7 @@ W=${W:-/tmp/e3}; N=${N:-17671}; SHARDS=${SHARDS:-8}; RSHARD=${RSHARD:-2000}; REG
 NREGEN=${NREGEN:-4000}; EPOCHS=${EPOCHS:-3}; PY=${PY:-python3}; CFG=${CFG:-configs/full-size.yaml}; C=${C:-0}
 A=${A:-1}; BENCH=${BENCH:-0}; ABL=${ABL:-}; LONG=${LONG:-0}; LONG_LENS=${LONG_LENS:-32768 16384 8192}
 ORIG=${ORIG:-1}; RFLAGS=${RFLAGS:-}; RW=${RW:-$W/regen}; RPAR=${RPAR:-1}; B=${B:-1}; D_EPOCHS=${D_EPOCHS:-$EPOCHS}; DEADLINE=${DEADLINE:-0}; BENCH_PROMPTS=${BENCH_PROMPTS:-256}
+SELF=${SELF:-0}; SELF_SHARD=${SELF_SHARD:-$RSHARD}; SELF_PAR=${SELF_PAR:-1}; SW=${SW:-$W/self}; REGEN_FROM=${REGEN_FROM:-}
 BENCH_FLAGS=${BENCH_FLAGS:-}; C_ON=${C_ON:-b}; DFLAGS=${DFLAGS:-}; D=${D:-1}; KEEP_REGEN=${KEEP_REGEN:-0}; D_ABL=${D_ABL:-}
 [ "$ABL" = 1 ] && ABL="ttt5 lk l1 w4"; [ "$ABL" = 0 ] && ABL=
 abl_flags() {  # NAME[+NAME...] -> its 04 flags over the config
@@ -101,16 +108,16 @@ train_c() {  # DATA_DIRS MAP EPOCHS: speculators' own trainer on exactly 04's ro
   say "c: $(tail -1 $W/logs/04_c.out) -> $last"
 }
 
-regen_loop() {  # FROM TO: shards of RSHARD conversations, one at a time (the GPU batches within a shard)
-  local a=$1 end=$2 last=0
+regen_loop() {  # FROM TO [DIR SHARD 01-FLAGS...]: shards of RSHARD conversations, one at a time (the GPU batches within a shard)
+  local a=$1 end=$2 dir=${3:-$RW} size=${4:-$RSHARD} last=0; shift 2; shift $(($# < 2 ? $# : 2))
   [ "$REGEN_S" -gt 0 ] || return 0
   while [ $a -lt $end ]; do
     local now=$(( $(date +%s) - T0 )); [ $((now + last)) -gt $REGEN_S ] && break
-    local b=$((a + RSHARD)); [ $b -gt $end ] && b=$end
-    local s=$(date +%s)
-    $PY 01_prepare_dataset.py --config $CFG --data-dir $RW --rows $a-$b --regen-chunk $RSHARD $RFLAGS \
-      > $W/logs/01_regen_$a-$b.out 2>&1 || { say "01 regen $a-$b failed"; break; }
-    last=$(( $(date +%s) - s )); say "01 regen $a-$b: ${last}s, $(grep -h 'regenerated [0-9,]* replies' $W/logs/01_regen_$a-$b.out)"
+    local b=$((a + size)); [ $b -gt $end ] && b=$end
+    local s=$(date +%s) log=$W/logs/01_${dir##*/}_$a-$b.out
+    $PY 01_prepare_dataset.py --config $CFG --data-dir $dir --rows $a-$b --regen-chunk $size $RFLAGS "$@" \
+      > $log 2>&1 || { say "01 ${dir##*/} $a-$b failed"; break; }
+    last=$(( $(date +%s) - s )); say "01 ${dir##*/} $a-$b: ${last}s, $(grep -h 'regenerated [0-9,]* replies' $log)"
     a=$b
   done
 }
@@ -132,7 +139,10 @@ if [ "$LONG" = 1 ]; then
 fi
 say "01 orig: $SHARDS shards of 0-$N; regeneration in shards of $RSHARD for ${REGEN_S}s"
 [ "$BENCH" = 1 ] && wait $bench  # the regeneration wants the GPU's timings clean, and the GPU
+[ -n "$REGEN_FROM" ] && { mkdir -p $RW && tar -C $RW -xzf "$REGEN_FROM" && say "reusing $(ls $RW/regenerated | paste -sd' ')"; }
 regen=(); for lane in $(ranges $NREGEN $RPAR); do regen_loop ${lane%-*} ${lane#*-} & regen+=($!); done
+[ "$SELF" -gt 0 ] && for lane in $(ranges $SELF $SELF_PAR); do
+  regen_loop ${lane%-*} ${lane#*-} $SW $SELF_SHARD --dataset self-written & regen+=($!); done
 if [ "$ORIG" = 1 ]; then
 orig=()
 for r in $(ranges $N $SHARDS); do
@@ -162,20 +172,29 @@ if ls -d $RW/prepared/rows_* > /dev/null 2>&1; then
     && { $PY 02_build_vocab_mapping.py --config $CFG --data-dir $RW > $W/logs/02_regen.out 2>&1 & map=($!); }  # c's, or b's
   $PY 03_extract_hidden_states.py --config $CFG --data-dir $RW > $W/logs/03_regen.out 2>&1
   say "03 regen: $(tail -1 $W/logs/03_regen.out)"; [ -n "${map[*]}" ] && wait "${map[@]}"
+  DDATA="$W/orig $RW"
+  if ls -d $SW/prepared/rows_* > /dev/null 2>&1; then
+    $PY 03_extract_hidden_states.py --config $CFG --data-dir $SW > $W/logs/03_self.out 2>&1
+    say "03 self: $(tail -1 $W/logs/03_self.out)"; DDATA="$DDATA $SW"
+  fi
   [ "$B" = 1 ] && train b --data-dir $RW --vocab-mapping-dir $MAP &
-  [ "$ORIG" = 1 ] && [ "$D" = 1 ] && EPOCHS=$D_EPOCHS train d --data-dir $W/orig $RW --vocab-mapping-dir $MAP $DFLAGS &
+  [ "$ORIG" = 1 ] && [ "$D" = 1 ] && EPOCHS=$D_EPOCHS train d --data-dir $DDATA --vocab-mapping-dir $MAP $DFLAGS &
   for abl in $D_ABL; do  # beside d, on d's data, one ablation each (named d_NAME)
-    EPOCHS=$D_EPOCHS train d_$abl --data-dir $W/orig $RW --vocab-mapping-dir $MAP $DFLAGS $(abl_flags $abl) &
+    EPOCHS=$D_EPOCHS train d_$abl --data-dir $DDATA --vocab-mapping-dir $MAP $DFLAGS $(abl_flags $abl) &
   done
   CDATA=$RW; CMAP=$RW/vocab_mapping; CEPOCHS=$EPOCHS
   [ "$C_ON" = d ] && { CDATA="$W/orig $RW"; CMAP=$MAP; CEPOCHS=$D_EPOCHS; }
 fi
 [ "$C" = 1 ] && [ "$C_ON" != orig ] && train_c "$CDATA" ${CMAP:-$CDATA/vocab_mapping} ${CEPOCHS:-$EPOCHS} &
 wait
-[ "$RW" != "$W/regen" ] && [ -d $RW/prepared ] && mkdir -p $W/regen && (cd $RW && cp --parents prepared/*/manifest.json \
-  hidden_states/*/manifest.json $W/regen/ 2>/dev/null)  # the manifests of a regen dir kept elsewhere (RW)
+for dir in $RW $SW; do  # the manifests of a regen or self dir kept elsewhere (RW, SW)
+  [ "$dir" != "$W/${dir##*/}" ] && [ -d $dir/prepared ] && mkdir -p $W/${dir##*/} && (cd $dir && cp --parents \
+    prepared/*/manifest.json hidden_states/*/manifest.json $W/${dir##*/}/ 2>/dev/null)
+done
 [ "$KEEP_REGEN" = 1 ] && [ -d $RW/regenerated ] && tar -C $RW -czf $W/results/regenerated.tgz regenerated \
   && split -b 15M -d $W/results/regenerated.tgz $W/results/regenerated.tgz.  # the replies, for 01 to reuse elsewhere
+[ "$KEEP_REGEN" = 1 ] && [ -d $SW/regenerated ] && tar -C $SW -czf $W/results/self_regenerated.tgz regenerated \
+  && split -b 15M -d $W/results/self_regenerated.tgz $W/results/self_regenerated.tgz.  # (SW's, as REGEN_FROM takes them)
 tar -C $W -czf $W/results/logs.tgz logs $(cd $W && ls -d out_*/metrics.jsonl */prepared/*/manifest.json \
   */hidden_states/*/manifest.json 2>/dev/null)
 say "all done"; ls -la $W/results
