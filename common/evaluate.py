@@ -19,6 +19,7 @@ from common.data import HELD_OUT_EVERY, is_held_out, load_prepared, load_records
 from common.layout import DataDir
 from common.log import log
 from common.manifest import MANIFEST
+from common.verifier import load_verifier_lm, load_vllm
 
 
 # ---------------------------------------------------------------- prompts
@@ -76,7 +77,6 @@ def clip_prompt(ids: list[int], max_prompt: int) -> list[int]:
 # ---------------------------------------------------------------- vLLM
 
 def vllm_engine(verifier: str, cfg: EvalConfig, draft: str | None = None):
-    from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
     spec = None if draft is None else {"method": "eagle3", "model": draft,
                                        "num_speculative_tokens": cfg.num_speculative_tokens}
@@ -85,11 +85,11 @@ def vllm_engine(verifier: str, cfg: EvalConfig, draft: str | None = None):
     # a vLLM older than them serves without (and 05 reports no intervals)
     per_request = {"per_request_spec_decode_metrics": "summary"} if draft is not None and (
         "per_request_spec_decode_metrics" in {f.name for f in dataclasses.fields(EngineArgs)}) else {}
-    return LLM(model=verifier, speculative_config=spec, disable_log_stats=False, enforce_eager=True, **per_request,
-               max_model_len=cfg.max_model_len, dtype=cfg.dtype, seed=cfg.seed,
-               trust_remote_code=cfg.trust_remote_code, enable_prefix_caching=False,
-               tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
-               language_model_only=True)
+    return load_vllm(model=verifier, speculative_config=spec, disable_log_stats=False, enforce_eager=True, **per_request,
+                     max_model_len=cfg.max_model_len, dtype=cfg.dtype, seed=cfg.seed,
+                     trust_remote_code=cfg.trust_remote_code, enable_prefix_caching=False,
+                     tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                     language_model_only=True)
 
 
 def spec_counters(llm) -> dict:
@@ -145,7 +145,6 @@ class ChainSimulator:
 
     def __init__(self, verifier_path: str, device: str, dtype: torch.dtype, trust_remote_code: bool):
         from common.extract import decoder_layers
-        from common.verifier import load_verifier_lm
         self.dtype = dtype
         if device == "auto":  # spread over every visible GPU (device_map), as a verifier too big for one needs
             self.verifier = load_verifier_lm(verifier_path, dtype=dtype, trust_remote_code=trust_remote_code,

@@ -20,7 +20,7 @@ from common.manifest import atomic_write_json, atomic_write_text
 from common.config import RegenConfig
 from common.data import WRITE_PROMPT
 from common.manifest import sha256_json
-from common.verifier import compute_dtype, load_verifier_lm
+from common.verifier import compute_dtype, load_verifier_lm, load_vllm
 
 SETTINGS = "settings.json"
 LOOP_MIN_TOKENS = 32   # a tail repeating at least this long, with period <= LOOP_MAX_PERIOD, is a loop
@@ -228,11 +228,11 @@ class TransformersGenerator:
 class VllmGenerator:
     def __init__(self, verifier: str, tensor_parallel_size: int, max_model_len: int, trust_remote_code: bool,
                  eos: int):
-        from vllm import LLM
         on_cpu = not torch.cuda.is_available()
-        self.llm = LLM(model=verifier, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
-                       trust_remote_code=trust_remote_code, enforce_eager=on_cpu,
-                       dtype=compute_dtype("cpu" if on_cpu else "cuda", generating=True), enable_prefix_caching=True)
+        self.llm = load_vllm(model=verifier, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+                             trust_remote_code=trust_remote_code, enforce_eager=on_cpu,
+                             dtype=compute_dtype("cpu" if on_cpu else "cuda", generating=True),
+                             enable_prefix_caching=True)
         self.eos = eos
 
     def __call__(self, prompts, max_new, temperature, top_p, seeds):

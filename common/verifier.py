@@ -242,6 +242,22 @@ def compute_dtype(device: str, generating: bool = False) -> str:
     return "bfloat16" if any(getattr(torch.cpu, name, lambda: False)() for name in native) else "float32"
 
 
+def load_vllm(in_process: bool = True, **engine_args):
+    """vLLM's offline engine (`LLM`) over the verifier. On a CPU with one rank it runs in this process rather than
+    in vLLM's two spawned ones (engine core, worker): they cost a fresh import of vLLM each at every start, and the
+    worker keeps one core to itself, a large share of a small machine (docs/benchmarks.md). Setting
+    VLLM_ENABLE_V1_MULTIPROCESSING=1 keeps vLLM's own layout; so does `in_process=False`, for a KV connector that
+    finishes a request's work in the engine's next step (an engine in this process takes none once generate()
+    has returned)."""
+    import torch
+    from vllm import LLM
+    if not in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # (read when the engine starts)
+    elif not torch.cuda.is_available() and engine_args.get("tensor_parallel_size", 1) == 1:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return LLM(**engine_args)
+
+
 def default_aux_layers(num_layers: int) -> list[int]:
     """speculators' and vLLM's default [2, N/2, N-3]; below 7 layers those collide, so the ids are spread
     over the layers instead (distinct, ascending)."""

@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from common.errors import UserError
 from common.extract import plan_batches
 from common.rows import row_file
+from common.verifier import load_vllm
 
 
 class _Done:
@@ -47,10 +48,10 @@ class CpuSafeHiddenStatesConnector(ExampleHiddenStatesConnector):
 class VllmBackend:
     def __init__(self, verifier: str, aux_layers: list[int], num_layers: int, tensor_parallel_size: int,
                  dtype: str, trust_remote_code: bool, max_len: int):
-        from vllm import LLM
         self.slots = len(aux_layers) + 1  # the aux layers, then the final decoder layer's output
         self.scratch = tempfile.mkdtemp(prefix="vllm-hs-")
-        self.llm = LLM(
+        self.llm = load_vllm(
+            in_process=False,  # the connector writes a request's states in the step after it finishes
             model=verifier, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
             trust_remote_code=trust_remote_code, max_model_len=max_len + 1, enforce_eager=True,
             enable_prefix_caching=False,  # every prompt token must be computed to be stored
