@@ -75,10 +75,10 @@ def first_conversations_length(report: dict, name: str, n: int) -> float:
 @pytest.mark.slow
 def test_transformers_backend_agrees_with_vllm_and_pairs_with_its_stored_report(tmp_path, vllm_report, trained,
                                                                                 random_draft, data_dir):
-    """Each draft in its own transformers run, on the first 3 of vllm_report's 6 conversations (the same prompts:
+    """Each draft in its own transformers run, on the first 2 of vllm_report's 6 conversations (the same prompts:
     05 shuffles the held-out split, then takes the first N); the second run pairs with the first's stored report."""
     from common.evaluate import bootstrap_interval
-    args = [*EVAL_ARGS, "--num-prompts", 3]  # (argparse: the last --num-prompts wins)
+    args = [*EVAL_ARGS, "--num-prompts", 2]  # (argparse: the last --num-prompts wins)
     stage("05_evaluate.py", "--backend", "transformers", "--draft-path", trained / "checkpoints" / "best",
           "--data-dir", data_dir, "--output-dir", tmp_path / "one", *args)
     one = read_json(tmp_path / "one" / "eval" / "eval.json")
@@ -89,8 +89,8 @@ def test_transformers_backend_agrees_with_vllm_and_pairs_with_its_stored_report(
     paired = read_json(tmp_path / "paired" / "eval" / "eval.json")
     assert list(paired["drafts"]) == [f"{trained_name} (stored)", "random_draft"]
     for name, r in [(trained_name, first), ("random_draft", paired["drafts"]["random_draft"])]:
-        assert abs(r["mean_acceptance_length"] - first_conversations_length(vllm_report, name, 3)) <= 0.05, name
-        assert r["lossless"] is True and len(r["per_conversation"]) == one["num_conversations"] == 3
+        assert abs(r["mean_acceptance_length"] - first_conversations_length(vllm_report, name, 2)) <= 0.05, name
+        assert r["lossless"] is True and len(r["per_conversation"]) == one["num_conversations"] == 2
     random = paired["drafts"]["random_draft"]
     assert paired["drafts"][f"{trained_name} (stored)"]["per_conversation"] == first["per_conversation"]
     vs = random["vs_first"]  # the difference and interval of the two drafts' counts, as if both had run together
