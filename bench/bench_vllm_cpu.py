@@ -9,6 +9,7 @@ CKPT: a servable draft (04's checkpoints/best); D: the data root it trained on (
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,7 +47,8 @@ def main():
     print(f"{'05 (baseline + one draft)':26} {'wall (s)':>9} {'baseline tok/s':>15}")
     for way in ways:
         print(f"{way:26} {sum(times[way]) / len(times[way]):9.1f} {reports[way]['baseline_tokens_per_s']:15.1f}")
-    print(f"in process / spawned: {sum(times[a]) / sum(times[b]):.2f}x faster end to end; the same counts")
+    print(f"in process: {sum(times[a]) / sum(times[b]):.2f}x faster end to end than spawned; the same counts")
+    shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@
 #          every shard it holds with the same settings (--rows, RSHARD, RFLAGS) instead of generating them again.
 #   SELF=N: N conversations the verifier writes itself (01 --dataset self-written, Magpie: prompt and reply, with
 #          RFLAGS) in shards of $SELF_SHARD, $SELF_PAR lanes beside the regeneration and within the same REGEN_S,
-#          into $SW; d (and its D_ABL) train on them too.
+#          into $SW; d (and its D_ABL) train on them too (d trains only where regenerated rows exist: REGEN_S > 0).
 #   RW=DIR: where the regenerated rows and their states go ($W/regen; another disk, /dev/shm say, when orig's
 #          states leave too little room: all 17,671 conversations' fp8 states are 52 GB of the machine's 64).
 #   DEADLINE=S: S seconds after the start every training still running is stopped (SIGTERM: 04 checkpoints)
@@ -108,7 +108,7 @@ train_c() {  # DATA_DIRS MAP EPOCHS: speculators' own trainer on exactly 04's ro
   say "c: $(tail -1 $W/logs/04_c.out) -> $last"
 }
 
-regen_loop() {  # FROM TO [DIR SHARD 01-FLAGS...]: shards of RSHARD conversations, one at a time (the GPU batches within a shard)
+regen_loop() {  # FROM TO [DIR SHARD 01-FLAGS...]: shards of SHARD (RSHARD) conversations into DIR (RW), one at a time
   local a=$1 end=$2 dir=${3:-$RW} size=${4:-$RSHARD} last=0; shift 2; shift $(($# < 2 ? $# : 2))
   [ "$REGEN_S" -gt 0 ] || return 0
   while [ $a -lt $end ]; do
