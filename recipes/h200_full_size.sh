@@ -26,7 +26,7 @@
 #          every shard it holds with the same settings (--rows, RSHARD, RFLAGS) instead of generating them again.
 #   SELF=N: N conversations the verifier writes itself (01 --dataset self-written, Magpie: prompt and reply, with
 #          RFLAGS) in shards of $SELF_SHARD, $SELF_PAR lanes beside the regeneration and within the same REGEN_S,
-#          into $SW; d (and its D_ABL) train on them too (d trains only where regenerated rows exist: REGEN_S > 0).
+#          into $SW; d (and its D_ABL) train on them too, with or without regenerated rows (NREGEN=0: orig + self).
 #   RW=DIR: where the regenerated rows and their states go ($W/regen; another disk, /dev/shm say, when orig's
 #          states leave too little room: all 17,671 conversations' fp8 states are 52 GB of the machine's 64).
 #   DEADLINE=S: S seconds after the start every training still running is stopped (SIGTERM: 04 checkpoints)
@@ -165,25 +165,27 @@ for abl in $ABL; do train $abl --data-dir $W/orig $(abl_flags $abl) & done
 fi
 
 wait "${regen[@]}"; say "regeneration done"
-CDATA=$W/orig
+CDATA=$W/orig; MAP=$W/orig/vocab_mapping; DDATA=$W/orig
 if ls -d $RW/prepared/rows_* > /dev/null 2>&1; then
-  MAP=$W/orig/vocab_mapping; [ "$ORIG" = 1 ] || MAP=$RW/vocab_mapping
+  [ "$ORIG" = 1 ] || MAP=$RW/vocab_mapping
   map=(); { [ "$C" = 1 ] && [ "$C_ON" = b ]; } || [ "$ORIG" != 1 ] \
     && { $PY 02_build_vocab_mapping.py --config $CFG --data-dir $RW > $W/logs/02_regen.out 2>&1 & map=($!); }  # c's, or b's
   $PY 03_extract_hidden_states.py --config $CFG --data-dir $RW > $W/logs/03_regen.out 2>&1
   say "03 regen: $(tail -1 $W/logs/03_regen.out)"; [ -n "${map[*]}" ] && wait "${map[@]}"
-  DDATA="$W/orig $RW"
-  if ls -d $SW/prepared/rows_* > /dev/null 2>&1; then
-    $PY 03_extract_hidden_states.py --config $CFG --data-dir $SW > $W/logs/03_self.out 2>&1
-    say "03 self: $(tail -1 $W/logs/03_self.out)"; DDATA="$DDATA $SW"
-  fi
+  DDATA="$DDATA $RW"
   [ "$B" = 1 ] && train b --data-dir $RW --vocab-mapping-dir $MAP &
-  [ "$ORIG" = 1 ] && [ "$D" = 1 ] && EPOCHS=$D_EPOCHS train d --data-dir $DDATA --vocab-mapping-dir $MAP $DFLAGS &
+  CDATA=$RW; CMAP=$RW/vocab_mapping; CEPOCHS=$EPOCHS
+  [ "$C_ON" = d ] && { CDATA="$W/orig $RW"; CMAP=$MAP; CEPOCHS=$D_EPOCHS; }
+fi
+if [ "$ORIG" = 1 ] && ls -d $SW/prepared/rows_* > /dev/null 2>&1; then  # (b's own rows are regen's alone)
+  $PY 03_extract_hidden_states.py --config $CFG --data-dir $SW > $W/logs/03_self.out 2>&1
+  say "03 self: $(tail -1 $W/logs/03_self.out)"; DDATA="$DDATA $SW"
+fi
+if [ "$ORIG" = 1 ] && [ "$DDATA" != $W/orig ]; then  # d: orig with the regenerated and self-written rows there are
+  [ "$D" = 1 ] && EPOCHS=$D_EPOCHS train d --data-dir $DDATA --vocab-mapping-dir $MAP $DFLAGS &
   for abl in $D_ABL; do  # beside d, on d's data, one ablation each (named d_NAME)
     EPOCHS=$D_EPOCHS train d_$abl --data-dir $DDATA --vocab-mapping-dir $MAP $DFLAGS $(abl_flags $abl) &
   done
-  CDATA=$RW; CMAP=$RW/vocab_mapping; CEPOCHS=$EPOCHS
-  [ "$C_ON" = d ] && { CDATA="$W/orig $RW"; CMAP=$MAP; CEPOCHS=$D_EPOCHS; }
 fi
 [ "$C" = 1 ] && [ "$C_ON" != orig ] && train_c "$CDATA" ${CMAP:-$CDATA/vocab_mapping} ${CEPOCHS:-$EPOCHS} &
 wait
