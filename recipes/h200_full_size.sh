@@ -27,6 +27,8 @@
 #   SELF=N: N conversations the verifier writes itself (01 --dataset self-written, Magpie: prompt and reply, with
 #          RFLAGS) in shards of $SELF_SHARD, $SELF_PAR lanes beside the regeneration and within the same REGEN_S,
 #          into $SW; d (and its D_ABL) train on them too, with or without regenerated rows (NREGEN=0: orig + self).
+#          Each 01 spends about a minute starting (beside orig's 01s), which the shard rule counts: give each lane one
+#          shard sized to REGEN_S (SELF_SHARD=SELF/SELF_PAR), not several small ones (docs/quality.md, s16).
 #   RW=DIR: where the regenerated rows and their states go ($W/regen; another disk, /dev/shm say, when orig's
 #          states leave too little room: all 17,671 conversations' fp8 states are 52 GB of the machine's 64).
 #   DEADLINE=S: S seconds after the start every training still running is stopped (SIGTERM: 04 checkpoints)
