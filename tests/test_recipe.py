@@ -13,8 +13,9 @@ def recipe(work, *made, **env):
     command of each training it started, by name."""
     for folder in made:
         os.makedirs(work / folder / "prepared" / "rows_0-2")
-    env = dict(PATH=os.environ["PATH"], W=str(work), PY="echo",  # (no other variable of the caller's: the recipe reads many) N="8", RSHARD="2", SELF_SHARD="2", A="0", B="0", C="0",
-               **{k: str(v) for k, v in env.items()})
+    # PATH alone of the caller's environment: the recipe reads many variables
+    env = dict(PATH=os.environ["PATH"], W=str(work), PY="echo", N="8", RSHARD="2", SELF_SHARD="2", A="0", B="0",
+               C="0", **{k: str(v) for k, v in env.items()})
     out = subprocess.run(["bash", "recipes/h200_full_size.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and "all done" in out.stdout, out.stdout + out.stderr
