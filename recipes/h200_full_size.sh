@@ -72,6 +72,8 @@ abl_flags() {  # NAME[+NAME...] -> its 04 flags over the config
 }
 for abl in $ABL $D_ABL; do abl_flags $abl > /dev/null || exit 2; done
 [ -n "$D_ABL" ] && [ "$ORIG" != 1 ] && { echo "D_ABL trains on d's data, the original rows with the regenerated (ORIG=1)" >&2; exit 2; }
+[ "$SELF" -gt 0 ] && { [ "$ORIG" != 1 ] || [ "$REGEN_S" -le 0 ]; } && {
+  echo "SELF: the self-written conversations are written within REGEN_S (> 0) and trained in d, beside orig (ORIG=1)" >&2; exit 2; }
 case $C_ON in b|d) ;; orig) [ "$ORIG" = 1 ] || { echo "C_ON=orig needs the original rows (ORIG=1)" >&2; exit 2; } ;;
   *) echo "C_ON: unknown $C_ON (b: regenerated rows, d: orig + regenerated, orig: the original rows)" >&2; exit 2 ;; esac
 mkdir -p "$W/logs" "$W/results" "$W/slim"
@@ -179,7 +181,7 @@ if ls -d $RW/prepared/rows_* > /dev/null 2>&1; then
   CDATA=$RW; CMAP=$RW/vocab_mapping; CEPOCHS=$EPOCHS
   [ "$C_ON" = d ] && { CDATA="$W/orig $RW"; CMAP=$MAP; CEPOCHS=$D_EPOCHS; }
 fi
-if [ "$ORIG" = 1 ] && ls -d $SW/prepared/rows_* > /dev/null 2>&1; then  # (b's own rows are regen's alone)
+if [ "$ORIG" = 1 ] && ls -d $SW/prepared/rows_* > /dev/null 2>&1; then  # (for d alone: b trains on regen's rows)
   $PY 03_extract_hidden_states.py --config $CFG --data-dir $SW > $W/logs/03_self.out 2>&1
   say "03 self: $(tail -1 $W/logs/03_self.out)"; DDATA="$DDATA $SW"
 fi

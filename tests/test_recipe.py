@@ -39,3 +39,10 @@ def test_d_trains_on_the_original_rows_with_the_regenerated_and_self_written_one
     expected = " ".join(str(tmp_path / d) for d in data.split())
     assert f"--epochs 2 --compile-wait --save-every 3000 --data-dir {expected} --vocab-mapping-dir " \
            f"{tmp_path}/orig/vocab_mapping" in runs["d"]
+
+
+@pytest.mark.parametrize("env", [dict(SELF=4, REGEN_S=0), dict(SELF=4, REGEN_S=1, ORIG=0)])
+def test_self_written_conversations_no_training_would_use_are_refused_with_one_line(tmp_path, env):
+    out = subprocess.run(["bash", "recipes/h200_full_size.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env=dict(PATH=os.environ["PATH"], W=str(tmp_path), PY="echo", **{k: str(v) for k, v in env.items()}))
+    assert out.returncode == 2 and out.stderr.startswith("SELF: ") and out.stderr.count("\n") == 1, out.stderr
